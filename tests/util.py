@@ -1,0 +1,64 @@
+"""Shared test helpers: device and dtype choice, fresh seeds, poisoning, the tolerance rule."""
+import os
+import random
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The interpreter multiplies bf16 bit patterns in tl.dot (triton issue 11584): CPU tests use
+# float32 (tight) and float16 (the tolerance rule); the GPU checks bf16 by the tolerance rule.
+LOWP = torch.bfloat16 if ON_GPU else torch.float16
+
+
+def fresh_generator(device=DEVICE):
+    """A generator seeded from the OS: every run draws new inputs. The seed is printed so a
+    failure (pytest shows captured output) can be replayed with LEAN_TEST_SEED."""
+    seed = int(os.environ.get("LEAN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"seed={seed}")
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def randn(*shape, g, dtype=torch.float32, device=DEVICE, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def poison(*tensors):
+    """Fill outputs with NaN (floats) or a sentinel (ints) so an element never written fails."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-12345)
+
+
+def assert_close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out"):
+    """The project's tolerance rule.
+
+    out:  the kernel's result (any dtype).
+    ref:  the reference in float32 or float64 (high precision).
+    lowp: torch's own computation at out's low precision (bf16/fp16), required when out is.
+
+    float32/float64 out: max|out - ref| <= rtol32 * max|ref| + atol.
+    bf16/fp16 out:       max|out - ref| <= 2 * max|lowp - ref| + atol.
+    NaN or inf never passes; shapes must match.
+    """
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    o = out.detach().double().cpu()
+    r = ref.detach().double().cpu()
+    assert torch.isfinite(o).all(), f"{name}: {int((~torch.isfinite(o)).sum())} non-finite elements (unwritten?)"
+    err = (o - r).abs().max().item() if o.numel() else 0.0
+    scale = r.abs().max().item() if r.numel() else 0.0
+    if out.dtype in (torch.float32, torch.float64):
+        bound = rtol32 * scale + atol
+        rule = f"{rtol32:g} * max|ref| + atol"
+    else:
+        assert lowp is not None, f"{name}: a {out.dtype} result needs torch's own low-precision result"
+        lerr = (lowp.detach().double().cpu() - r).abs().max().item()
+        bound = 2.0 * lerr + atol
+        rule = f"2 * torch {out.dtype} error ({lerr:.3e}) + atol"
+    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} = {rule} (max|ref| = {scale:.3e})"

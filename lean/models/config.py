@@ -1,0 +1,130 @@
+"""Model configuration read from a Hugging Face `config.json` (as data: transformers is not imported).
+
+Supported architectures (dense decoders with RMSNorm, RoPE, GQA attention and a SwiGLU MLP):
+  LlamaForCausalLM  Llama 3.x (default or llama3 RoPE scaling), SmolLM; optional attention bias
+  Qwen2ForCausalLM  bias on q/k/v (always, as in transformers), none on o
+  Qwen3ForCausalLM  per-head RMSNorm on q and k over head_dim before RoPE; head_dim may differ
+                    from hidden/heads
+
+Both config dialects are read: transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
+(`rope_parameters`). Anything lean does not implement is refused with a message naming what is
+supported, never silently ignored.
+"""
+from dataclasses import dataclass, field
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    hidden: int  # C
+    n_layers: int  # L
+    n_heads: int  # H
+    n_kv_heads: int  # KVH
+    head_dim: int  # D
+    intermediate: int  # F
+    vocab: int  # V
+    rms_eps: float
+    tie_embeddings: bool
+    qkv_bias: bool  # bias on q, k, v projections (Qwen2; Llama with attention_bias)
+    o_bias: bool  # bias on o_proj (Llama with attention_bias)
+    qk_norm: bool  # Qwen3: RMSNorm per head on q and k before RoPE
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)  # rope_type and its parameters; {} = default
+    max_position: int = 0
+    hf_architecture: str = ""
+
+    @property
+    def q_dim(self):
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self):
+        return self.n_kv_heads * self.head_dim
+
+
+def _refuse(msg):
+    raise UnsupportedModelError(msg)
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """Parse a config.json dict. Raises UnsupportedModelError naming the unsupported value."""
+    archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in MODEL_TYPES:  # configs written without architectures
+        archs = [MODEL_TYPES[cfg["model_type"]]]
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        model_type = cfg.get("model_type", "?")
+        _refuse(
+            f"unsupported architecture {archs or model_type!r}: lean supports "
+            f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3)"
+        )
+    hidden = int(cfg["hidden_size"])
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    if n_heads % n_kv:
+        _refuse(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse(f"hidden_act={act!r}: lean implements the SwiGLU MLP with silu only")
+    if cfg.get("mlp_bias"):
+        _refuse("mlp_bias=true: lean's MLP projections have no bias")
+    if cfg.get("pretraining_tp", 1) not in (1, None):
+        _refuse("pretraining_tp != 1 is not supported (set it to 1; it only changes the matmul split)")
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
+        _refuse("sliding-window attention layers are not supported for this architecture yet "
+                "(set use_sliding_window=false)")
+    if head_dim > 256 or head_dim % 2:
+        _refuse(f"head_dim={head_dim}: lean's attention and RoPE support even head_dim up to 256")
+
+    # RoPE: 5.x puts theta and the scaling in rope_parameters, 4.x uses rope_theta + rope_scaling.
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        theta = float(rp["rope_theta"])
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        _refuse(f"rope type {rope_type!r}: lean supports {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        scaling = {}
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse("partial_rotary_factor != 1 is not supported")
+
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        arch=arch,
+        hidden=hidden,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        intermediate=int(cfg["intermediate_size"]),
+        vocab=int(cfg["vocab_size"]),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        # transformers 4.x omits the key when it equals PretrainedConfig's default (True).
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=True if arch == "qwen2" else attention_bias,
+        o_bias=attention_bias if arch == "llama" else False,
+        qk_norm=arch == "qwen3",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=int(cfg.get("max_position_embeddings", 0) or 0),
+        hf_architecture=next(a for a in archs if a in ARCHITECTURES),
+    )

@@ -1,0 +1,174 @@
+"""The dense decoder layer (Llama 3.x, SmolLM, Qwen2, Qwen3): forward and backward side by side.
+
+Shape legend: N tokens in the packed batch, C hidden, H/KVH heads, D head dim, F MLP hidden,
+R LoRA rank, Oq = H*D, Okv = KVH*D.
+
+One layer, with s the residual stream entering it and d the previous layer's MLP output:
+
+    x    = s + d                       (fused into norm1; layer 0 has no d)
+    n1   = rmsnorm(x) * w_in
+    q, k, v = n1 Wq^T (+bq), n1 Wk^T (+bk), n1 Wv^T (+bv)      each with its LoRA term
+    q, k = rmsnorm_head(q), rmsnorm_head(k)                      (Qwen3 only)
+    q, k = rope(q), rope(k)
+    o    = attention(q, k, v)          (causal within each packed document)
+    a    = o Wo^T (+bo)
+    mid  = x + a                       (fused into norm2)
+    n2   = rmsnorm(mid) * w_post
+    act  = silu(n2 Wg^T) * (n2 Wu^T)
+    m    = act Wd^T
+    return (mid, m)                    the next layer's s and d
+
+The backward reads the forward bottom-up. Accumulation rule: LoRA gradients and the residual
+stream gradient accumulate (+=); everything else is written (=). `g` enters as dL/d(mid + m) and
+leaves as dL/d(s + d) = dL/ds = dL/dd.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..kernels.attention import attention_bwd, attention_fwd
+from ..kernels.lora_linear import linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_fwd
+from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+from ..kernels.rope import rope_bwd, rope_fwd
+from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
+
+
+class Ctx(NamedTuple):
+    """What every layer reads: the batch descriptor and per-step constants."""
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    max_seqlen: int
+    cos: torch.Tensor  # (N, D/2) fp32
+    sin: torch.Tensor  # (N, D/2) fp32
+    eps: float
+    attn_scale: float
+    lora_scale: float
+    dropout: float
+    seed: int  # dropout seed of this step; each projection derives its own
+
+
+class Saved(NamedTuple):
+    """What one layer's forward keeps for its backward (see lean/runtime/plan.py for the table)."""
+    x: torch.Tensor  # (N, C) layer input stream
+    rstd1: torch.Tensor  # (N,) fp32
+    n1: torch.Tensor  # (N, C)
+    xa: dict  # target -> (N, R) LoRA down-projection of that projection's input
+    q_pre: Optional[torch.Tensor]  # (N, Oq) before QK-norm (Qwen3), else None
+    k_pre: Optional[torch.Tensor]  # (N, Okv)
+    rstd_q: Optional[torch.Tensor]  # (N*H,) fp32
+    rstd_k: Optional[torch.Tensor]  # (N*KVH,) fp32
+    q: torch.Tensor  # (N, Oq) after norm and RoPE
+    k: torch.Tensor  # (N, Okv)
+    v: torch.Tensor  # (N, Okv)
+    o: torch.Tensor  # (N, Oq) attention output
+    lse: torch.Tensor  # (H, N) fp32
+    mid: torch.Tensor  # (N, C)
+    rstd2: torch.Tensor  # (N,) fp32
+    n2: torch.Tensor  # (N, C)
+    gate: torch.Tensor  # (N, F)
+    up: torch.Tensor  # (N, F)
+    act: torch.Tensor  # (N, F)
+
+
+_TARGET_ID = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
+
+
+def _seed(ctx, layer_idx, t):
+    # One dropout stream per (step, layer, projection): the mask is regenerated in backward.
+    return (ctx.seed * 1_000_003 + layer_idx * 7 + _TARGET_ID[t]) % (2**31 - 1)
+
+
+def proj_fwd(y, xa_out, x, w, bias, ad, t, ctx, li):
+    """y = x W^T (+ bias) (+ LoRA term when projection t carries an adapter)."""
+    if ad is None:
+        linear_fwd(y, x, w, bias=bias)
+        return
+    xa = torch.empty(x.shape[0], ad.a_lowp.shape[0], dtype=x.dtype, device=x.device)  # (N, R)
+    lora_linear_fwd(y, xa, x, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale, bias=bias,
+                    dropout=ctx.dropout, seed=_seed(ctx, li, t))
+    xa_out[t] = xa
+
+
+def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate):
+    """dx (=, or += when accumulate) dy W (+ LoRA term); LoRA grads += into the flat buffer."""
+    if ad is None:
+        linear_bwd(dx, dy, w, accumulate=accumulate)
+        return
+    lora_linear_bwd(dx, ad.da, ad.db, dy, x, xa, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale,
+                    dropout=ctx.dropout, seed=_seed(ctx, li, t), accumulate_dx=accumulate)
+
+
+def layer_forward(s, d, w, ads, ctx, li, cfg):
+    """(s, d) -> (mid, m), saved. w: the layer's frozen weights; ads: target -> Adapter."""
+    N, C, H, KVH, D = s.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    new = lambda *shape, dt=s.dtype: torch.empty(*shape, dtype=dt, device=s.device)  # noqa: E731
+    xa = {}
+    # attention block
+    n1, rstd1 = new(N, C), new(N, dt=torch.float32)
+    if d is None:
+        x = s
+        rmsnorm_fwd(n1, rstd1, x, w.in_norm, ctx.eps)
+    else:
+        x = new(N, C)
+        rmsnorm_fwd(n1, rstd1, s, w.in_norm, ctx.eps, residual=d, h=x)
+    q, k, v = new(N, H * D), new(N, KVH * D), new(N, KVH * D)
+    proj_fwd(q, xa, n1, w.q, w.q_bias, ads.get("q"), "q", ctx, li)
+    proj_fwd(k, xa, n1, w.k, w.k_bias, ads.get("k"), "k", ctx, li)
+    proj_fwd(v, xa, n1, w.v, w.v_bias, ads.get("v"), "v", ctx, li)
+    q_pre = k_pre = rstd_q = rstd_k = None
+    if cfg.qk_norm:
+        q_pre, k_pre = q, k
+        q, k = new(N, H * D), new(N, KVH * D)
+        rstd_q, rstd_k = new(N * H, dt=torch.float32), new(N * KVH, dt=torch.float32)
+        rmsnorm_fwd(q.view(N * H, D), rstd_q, q_pre.view(N * H, D), w.q_norm, ctx.eps)
+        rmsnorm_fwd(k.view(N * KVH, D), rstd_k, k_pre.view(N * KVH, D), w.k_norm, ctx.eps)
+    q3, k3, v3 = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
+    rope_fwd(q3, k3, ctx.cos, ctx.sin)
+    o, lse = new(N, H * D), new(H, N, dt=torch.float32)
+    attention_fwd(o.view(N, H, D), lse, q3, k3, v3, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    a = new(N, C)
+    proj_fwd(a, xa, o, w.o, w.o_bias, ads.get("o"), "o", ctx, li)
+    # MLP block
+    mid, n2, rstd2 = new(N, C), new(N, C), new(N, dt=torch.float32)
+    rmsnorm_fwd(n2, rstd2, x, w.post_norm, ctx.eps, residual=a, h=mid)
+    F = cfg.intermediate
+    gate, up, act = new(N, F), new(N, F), new(N, F)
+    proj_fwd(gate, xa, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
+    proj_fwd(up, xa, n2, w.up, None, ads.get("up"), "up", ctx, li)
+    swiglu_fwd(act, gate, up)
+    m = new(N, C)
+    proj_fwd(m, xa, act, w.down, None, ads.get("down"), "down", ctx, li)
+    saved = Saved(x, rstd1, n1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, n2, gate, up, act)
+    return (mid, m), saved
+
+
+def layer_backward(g, sv, w, ads, ctx, li, cfg):
+    """g = dL/d(mid + m) in; returns dL/ds (the same buffer, updated in place)."""
+    N, C, H, KVH, D, F = g.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate
+    new = lambda *shape, dt=g.dtype: torch.empty(*shape, dtype=dt, device=g.device)  # noqa: E731
+    # MLP block, bottom-up
+    dact = new(N, F)
+    proj_bwd(dact, g, sv.act, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False)
+    dgate, dup = sv.gate, sv.up  # in place: gate/up are dead after this
+    swiglu_bwd(dgate, dup, dact, sv.gate, sv.up)
+    dn2 = new(N, C)
+    proj_bwd(dn2, dgate, sv.n2, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False)
+    proj_bwd(dn2, dup, sv.n2, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True)
+    rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g)  # g = dL/dmid
+    # attention block, bottom-up
+    do = new(N, H * D)
+    proj_bwd(do, g, sv.o, w.o, ads.get("o"), sv.xa.get("o"), "o", ctx, li, False)
+    dq, dk, dv = new(N, H * D), new(N, KVH * D), new(N, KVH * D)
+    delta = new(H, N, dt=torch.float32)
+    attention_bwd(dq.view(N, H, D), dk.view(N, KVH, D), dv.view(N, KVH, D), delta, do.view(N, H, D),
+                  sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
+                  sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    rope_bwd(dq.view(N, H, D), dk.view(N, KVH, D), ctx.cos, ctx.sin)
+    if cfg.qk_norm:
+        rmsnorm_bwd(dq.view(N * H, D), None, dq.view(N * H, D), sv.q_pre.view(N * H, D), w.q_norm, sv.rstd_q)
+        rmsnorm_bwd(dk.view(N * KVH, D), None, dk.view(N * KVH, D), sv.k_pre.view(N * KVH, D), w.k_norm, sv.rstd_k)
+    dn1 = new(N, C)
+    proj_bwd(dn1, dq, sv.n1, w.q, ads.get("q"), sv.xa.get("q"), "q", ctx, li, False)
+    proj_bwd(dn1, dk, sv.n1, w.k, ads.get("k"), sv.xa.get("k"), "k", ctx, li, True)
+    proj_bwd(dn1, dv, sv.n1, w.v, ads.get("v"), sv.xa.get("v"), "v", ctx, li, True)
+    rmsnorm_bwd(g, None, dn1, sv.x, w.in_norm, sv.rstd1, dresidual=g)  # g = dL/dx = dL/ds
+    return g

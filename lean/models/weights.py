@@ -1,0 +1,109 @@
+"""Frozen weights held as flat tensors: one contiguous buffer per layer, fields are views into it.
+
+Shape legend: C hidden, H/KVH heads, D head dim, F MLP hidden, V vocab.
+
+The HF-name map is explicit (gpt-fast style): every tensor a checkpoint must hold is listed here
+with its shape, and the loader refuses anything missing, unexpected or mis-shaped.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ModelConfig
+
+
+def layer_fields(cfg: ModelConfig):
+    """Ordered (field, HF suffix, shape) of one decoder layer's frozen tensors. q, k and v are
+    adjacent so that one (Oq + 2*Okv, C) view covers them."""
+    C, F, D = cfg.hidden, cfg.intermediate, cfg.head_dim
+    Oq, Okv = cfg.q_dim, cfg.kv_dim
+    f = [
+        ("q", "self_attn.q_proj.weight", (Oq, C)),
+        ("k", "self_attn.k_proj.weight", (Okv, C)),
+        ("v", "self_attn.v_proj.weight", (Okv, C)),
+        ("o", "self_attn.o_proj.weight", (C, Oq)),
+        ("gate", "mlp.gate_proj.weight", (F, C)),
+        ("up", "mlp.up_proj.weight", (F, C)),
+        ("down", "mlp.down_proj.weight", (C, F)),
+        ("in_norm", "input_layernorm.weight", (C,)),
+        ("post_norm", "post_attention_layernorm.weight", (C,)),
+    ]
+    if cfg.qkv_bias:
+        f += [("q_bias", "self_attn.q_proj.bias", (Oq,)),
+              ("k_bias", "self_attn.k_proj.bias", (Okv,)),
+              ("v_bias", "self_attn.v_proj.bias", (Okv,))]
+    if cfg.o_bias:
+        f += [("o_bias", "self_attn.o_proj.bias", (C,))]
+    if cfg.qk_norm:
+        f += [("q_norm", "self_attn.q_norm.weight", (D,)),
+              ("k_norm", "self_attn.k_norm.weight", (D,))]
+    return f
+
+
+# Tensors some checkpoints carry that the model never reads (HF ignores them too).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Layer:
+    """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        fields = layer_fields(cfg)
+        numel = sum(_prod(s) for _, _, s in fields)
+        self.buf = torch.empty(numel, dtype=dtype, device=device)
+        self.fields = [name for name, _, _ in fields]
+        off = 0
+        for name, _, shape in fields:
+            n = _prod(shape)
+            setattr(self, name, self.buf[off:off + n].view(shape))
+            off += n
+        for name in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
+            if not hasattr(self, name):
+                setattr(self, name, None)
+
+
+@dataclass
+class Model:
+    """A loaded model: config, frozen weights and where they live."""
+    config: ModelConfig
+    embed: torch.Tensor  # (V, C)
+    layers: list
+    norm: torch.Tensor  # (C,)
+    lm_head: torch.Tensor  # (V, C); the same tensor as embed when tied
+    dtype: torch.dtype
+    device: torch.device
+    path: str = ""
+    cache: dict = field(default_factory=dict)  # per-model device tables (RoPE inverse frequencies)
+
+    def hf_tensors(self):
+        """(HF name, tensor) for every frozen tensor, in checkpoint naming."""
+        yield "model.embed_tokens.weight", self.embed
+        for i, layer in enumerate(self.layers):
+            for name, suffix, _ in layer_fields(self.config):
+                yield f"model.layers.{i}.{suffix}", getattr(layer, name)
+        yield "model.norm.weight", self.norm
+        if not self.config.tie_embeddings:
+            yield "lm_head.weight", self.lm_head
+
+
+def empty_model(cfg: ModelConfig, dtype, device, path="") -> Model:
+    """Allocate every frozen tensor (uninitialised); the loader fills them."""
+    embed = torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, device=device)  # (V, C)
+    lm_head = embed if cfg.tie_embeddings else torch.empty_like(embed)
+    return Model(
+        config=cfg,
+        embed=embed,
+        layers=[Layer(cfg, dtype, device) for _ in range(cfg.n_layers)],
+        norm=torch.empty(cfg.hidden, dtype=dtype, device=device),
+        lm_head=lm_head,
+        dtype=dtype,
+        device=torch.device(device),
+        path=path,
+    )
+
+
+def _prod(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,129 @@
+"""The batch descriptor: built once per batch on the host, read by every layer.
+
+Documents (token-id lists, each optionally with a per-token loss mask) are packed end to end into
+one row of N tokens. Every layer reads the same descriptor: no per-layer rebuild, and nothing in
+the step reads back from the device.
+
+  ids         (N,)   int32  token ids
+  positions   (N,)   int32  0, 1, ... restarting at every document (RoPE)
+  targets     (N,)   int32  the next token of the same document, or -100 (last token of a
+                            document, masked tokens, padding): no target crosses a boundary
+  cu_seqlens  (B+1,) int32  document b is rows cu_seqlens[b]:cu_seqlens[b+1]
+  max_seqlen  host int      the longest document (sizes the attention grid)
+  n_targets   host int      tokens that carry a loss (known on the host: no sync to normalise)
+
+The four int32 arrays travel to the device in ONE non-blocking copy from a pinned host buffer.
+RoPE tables (cos, sin) are built from `positions` once per batch by the step's prologue.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+IGNORE = -100
+
+
+class BatchError(ValueError):
+    pass
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    n_tokens: int
+    n_targets: int
+    doc_lens: list
+    host: np.ndarray  # the packed int32 host copy [ids | positions | targets | cu_seqlens]
+    cache: dict = field(default_factory=dict)  # per-batch tables the step builds once (RoPE)
+
+    @property
+    def device(self):
+        return self.ids.device
+
+
+def _doc_parts(doc, i):
+    """A document is a token-id list, (ids, mask), or a dict with ids/input_ids and mask/loss_mask."""
+    mask = None
+    if isinstance(doc, dict):
+        ids = doc.get("ids", doc.get("input_ids"))
+        mask = doc.get("mask", doc.get("loss_mask"))
+        if ids is None:
+            raise BatchError(f"document {i}: a dict document needs 'ids' (or 'input_ids')")
+    elif isinstance(doc, tuple) and len(doc) == 2:
+        ids, mask = doc
+    else:
+        ids = doc
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if mask is not None:
+        mask = np.asarray(mask, dtype=bool).reshape(-1)
+        if mask.shape != ids.shape:
+            raise BatchError(f"document {i}: loss mask has {mask.size} entries for {ids.size} tokens")
+    return ids, mask
+
+
+def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None):
+    """Pack documents into one batch descriptor.
+
+    docs: list of documents (see _doc_parts). mask[t] = 1 means token t is a target (its
+    prediction from token t-1 counts in the loss); without a mask every token after a document's
+    first is a target. max_tokens: the token budget; a longer document or a larger total is an
+    error naming the fix. pad_to: pad the row to this many tokens with an ignored filler document
+    (fixed shapes for graph capture). vocab: if given, ids are checked against it here on the host.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if len(docs) == 0:
+        raise BatchError("empty batch: pack() needs at least one document")
+    parts = [_doc_parts(d, i) for i, d in enumerate(docs)]
+    lens = [len(ids) for ids, _ in parts]
+    for i, n in enumerate(lens):
+        if n == 0:
+            raise BatchError(f"document {i} is empty: drop empty documents before packing")
+        if n > max_tokens:
+            raise BatchError(f"document {i} has {n} tokens, more than the token budget max_tokens={max_tokens}: "
+                             "raise max_tokens or cut the document into windows")
+    total = sum(lens)
+    if total > max_tokens:
+        raise BatchError(f"{len(docs)} documents hold {total} tokens, more than max_tokens={max_tokens}: "
+                         "split them over several batches (lean.pack_batches) or raise max_tokens")
+    if pad_to is not None:
+        if pad_to < total:
+            raise BatchError(f"pad_to={pad_to} is smaller than the {total} tokens packed")
+        if pad_to > total:
+            parts.append((np.zeros(pad_to - total, dtype=np.int64), np.zeros(pad_to - total, dtype=bool)))
+            lens.append(pad_to - total)
+    N, B = sum(lens), len(lens)
+
+    host = np.empty(3 * N + B + 1, dtype=np.int32)
+    ids_h, pos_h, tgt_h, cu_h = host[:N], host[N:2 * N], host[2 * N:3 * N], host[3 * N:]
+    cu_h[0] = 0
+    np.cumsum(lens, out=cu_h[1:])
+    for b, (ids, mask) in enumerate(parts):
+        s, e = cu_h[b], cu_h[b + 1]
+        if vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise BatchError(f"document {b}: token id out of range [0, {vocab})")
+        ids_h[s:e] = ids
+        pos_h[s:e] = np.arange(e - s, dtype=np.int32)
+        nxt = np.full(e - s, IGNORE, dtype=np.int64)
+        nxt[:-1] = ids[1:]
+        if mask is not None:
+            nxt[:-1][~mask[1:]] = IGNORE
+        tgt_h[s:e] = nxt
+    n_targets = int((tgt_h != IGNORE).sum())
+
+    dev = torch.device(device)
+    host_t = torch.from_numpy(host)
+    if dev.type == "cuda":
+        host_t = host_t.pin_memory()
+        dev_t = torch.empty(host.size, dtype=torch.int32, device=dev)
+        dev_t.copy_(host_t, non_blocking=True)  # the one host -> device copy of the descriptor
+    else:
+        dev_t = host_t.clone()
+    return Batch(
+        ids=dev_t[:N], positions=dev_t[N:2 * N], targets=dev_t[2 * N:3 * N], cu_seqlens=dev_t[3 * N:],
+        max_seqlen=int(max(lens)), n_tokens=N, n_targets=n_targets, doc_lens=lens, host=host,
+    )

@@ -1,0 +1,126 @@
+"""Load a Hugging Face model (hub id or local folder) from safetensors into flat tensors.
+
+Shards are read one at a time, each tensor copied straight into its view of the flat per-layer
+buffers in the compute dtype through the explicit name map of lean/models/weights.py. transformers
+is never imported. Pickle checkpoints (*.bin, *.pt) are refused: they can run code when loaded.
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..models.config import config_from_hf
+from ..models.weights import IGNORED_SUFFIXES, empty_model
+
+# What a training run needs from a hub repository: config, weights, tokenizer and chat template.
+HUB_PATTERNS = [
+    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def resolve_model_dir(path_or_id) -> Path:
+    """A local folder as is; otherwise a hub id fetched with huggingface_hub (needed files only)."""
+    p = Path(os.path.expanduser(str(path_or_id)))
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ModelLoadError(f"{p} is a file, not a model folder: pass the folder holding config.json "
+                             "and *.safetensors (a .gguf file goes through lean-train --model)")
+    looks_local = str(path_or_id).startswith((".", "/", "~")) or str(path_or_id).count("/") > 1
+    if looks_local:
+        raise ModelLoadError(f"model folder {p} does not exist: check the path")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(str(path_or_id), allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # network, auth, missing repo: say which and what to do
+        raise ModelLoadError(
+            f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Pass a local folder instead, or check the id, your network and HF_TOKEN for gated models."
+        ) from e
+
+
+def read_config(model_dir: Path):
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{model_dir} has no config.json: point at a Hugging Face model folder")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}): re-download the model") from e
+    return config_from_hf(raw)
+
+
+def shard_files(model_dir: Path):
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).exists()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not there: {missing}; re-download the model")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [f.name for f in model_dir.iterdir() if f.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); lean reads safetensors only, "
+            "since unpickling can run code. Convert once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True)"
+        )
+    raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+
+
+def load_model(path_or_id, dtype=torch.bfloat16, device=None):
+    """Load config and weights into a lean Model (flat per-layer tensors in `dtype` on `device`)."""
+    from safetensors import safe_open
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = resolve_model_dir(path_or_id)
+    cfg = read_config(model_dir)
+    model = empty_model(cfg, dtype, device, path=str(model_dir))
+    targets = dict(model.hf_tensors())
+    seen, unexpected = set(), []
+    for f in shard_files(model_dir):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:
+            raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated: "
+                                 "delete it and download it again") from e
+        with handle:
+            for name in handle.keys():
+                dst = targets.get(name)
+                if dst is None:
+                    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings):
+                        continue
+                    unexpected.append(name)
+                    continue
+                try:
+                    t = handle.get_tensor(name)
+                except Exception as e:
+                    raise ModelLoadError(f"{f}: tensor {name} could not be read ({e}); the file may be "
+                                         "truncated: download it again") from e
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ModelLoadError(f"{f}: tensor {name} has shape {tuple(t.shape)}, but config.json "
+                                         f"implies {tuple(dst.shape)}: the weights do not match the config")
+                dst.copy_(t)  # host -> device copy with the cast to the compute dtype
+                seen.add(name)
+    missing = [n for n in targets if n not in seen]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+        raise ModelLoadError(f"{model_dir}: checkpoint does not match a {cfg.hf_architecture} with this config: "
+                             + "; ".join(parts))
+    return model

@@ -1,0 +1,126 @@
+"""One training step, hand-scheduled: embed, layers forward, fused lm_head + loss, layers backward.
+
+Read it top to bottom. The tape is the whole autograd engine: forward records, per layer, the
+backward function and what the activation plan (lean/runtime/plan.py) says to save; backward
+replays the records in reverse. Nothing here reads back from the device: the loss stays a device
+tensor, and the target count is a host int from the batch descriptor.
+"""
+import math
+
+import torch
+
+from ..kernels.embedding import embedding_fwd
+from ..kernels.gemm import matmul
+from ..kernels.linear_ce import linear_ce_fwd_bwd
+from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+from ..kernels.rope import rope_inv_freq, rope_table
+from ..models.dense import Ctx, layer_backward, layer_forward
+
+
+class Tape:
+    """The minimal autograd engine: a list of (backward, saved, args), replayed in reverse."""
+
+    def __init__(self):
+        self.records = []
+
+    def record(self, backward, saved, *args):
+        self.records.append((backward, saved, args))
+
+    def backward(self, g):
+        while self.records:
+            backward, saved, args = self.records.pop()  # popping frees each layer's activations
+            g = backward(g, saved, *args)
+        return g
+
+
+def rope_tables(model, batch):
+    """cos, sin (N, D/2) fp32 for this batch's positions: built once per batch, cached on it."""
+    cfg = model.config
+    key = ("rope", cfg.head_dim, cfg.rope_theta, tuple(sorted((k, str(v)) for k, v in cfg.rope_scaling.items())))
+    if key not in batch.cache:
+        inv_freq, attn_scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or None)
+        inv = model.cache.get(key)
+        if inv is None:
+            inv = torch.from_numpy(inv_freq).to(batch.device)  # once per model
+            model.cache[key] = inv
+        N, half = batch.n_tokens, cfg.head_dim // 2
+        cos = torch.empty(N, half, dtype=torch.float32, device=batch.device)  # (N, D/2)
+        sin = torch.empty(N, half, dtype=torch.float32, device=batch.device)  # (N, D/2)
+        rope_table(cos, sin, batch.positions, inv, attn_scaling)
+        batch.cache[key] = (cos, sin)
+    return batch.cache[key]
+
+
+def make_ctx(model, lora, batch, seed=0):
+    cfg = model.config
+    cos, sin = rope_tables(model, batch)
+    return Ctx(
+        cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, cos=cos, sin=sin, eps=cfg.rms_eps,
+        attn_scale=1.0 / math.sqrt(cfg.head_dim),
+        lora_scale=lora.scale if lora is not None else 0.0,
+        dropout=lora.dropout if lora is not None else 0.0,
+        seed=seed,
+    )
+
+
+def _forward_layers(model, lora, batch, ctx, tape):
+    cfg = model.config
+    N = batch.n_tokens
+    s = torch.empty(N, cfg.hidden, dtype=model.dtype, device=model.device)  # (N, C)
+    embedding_fwd(s, batch.ids, model.embed)
+    d = None
+    for li, w in enumerate(model.layers):
+        ads = lora.layers[li] if lora is not None else {}
+        (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg)
+        if tape is not None:
+            tape.record(layer_backward, saved, w, ads, ctx, li, cfg)
+    # final norm, fused with the last residual add
+    x_final = torch.empty_like(s)  # (N, C)
+    nf = torch.empty_like(s)  # (N, C)
+    rstd = torch.empty(N, dtype=torch.float32, device=s.device)
+    rmsnorm_fwd(nf, rstd, s, model.norm, cfg.rms_eps, residual=d, h=x_final)
+    return nf, x_final, rstd
+
+
+def forward_backward(model, lora, batch, *, grad_scale=None, seed=None):
+    """Loss and LoRA gradients for one packed batch.
+
+    Gradients of grad_scale * (sum of token losses) are ADDED to lora.grads (call lora.zero_grad()
+    at the start of an optimizer step). grad_scale defaults to 1 / batch.n_targets (the mean loss,
+    as HF computes it); for gradient accumulation pass 1 / (targets over the whole step).
+    Returns (loss_sum, n_targets): loss_sum a (1,) fp32 device tensor, n_targets a host int.
+    """
+    if grad_scale is None:
+        grad_scale = 1.0 / max(batch.n_targets, 1)
+    if seed is None:
+        seed = lora.next_seed() if lora is not None else 0
+    ctx = make_ctx(model, lora, batch, seed)
+    tape = Tape()
+    nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape)
+    loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
+    dnf = torch.empty_like(nf)
+    linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
+    g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
+    rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
+    tape.backward(g)
+    return loss[0:1], batch.n_targets
+
+
+def forward(model, lora, batch):
+    """Logits (N, V) in the model dtype, for evaluation of small batches (no tape)."""
+    ctx = make_ctx(model, lora, batch, seed=0)
+    # evaluation: no dropout
+    ctx = ctx._replace(dropout=0.0)
+    nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
+    logits = torch.empty(batch.n_tokens, model.config.vocab, dtype=model.dtype, device=nf.device)  # (N, V)
+    matmul(logits, nf, model.lm_head.t())
+    return logits
+
+
+def loss_eval(model, lora, batch):
+    """(loss_sum device tensor, n_targets) without gradients."""
+    ctx = make_ctx(model, lora, batch, seed=0)._replace(dropout=0.0)
+    nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
+    loss = torch.empty(2, dtype=torch.float32, device=nf.device)
+    linear_ce_fwd_bwd(loss, None, nf, model.lm_head, batch.targets)
+    return loss[0:1], batch.n_targets

@@ -1,0 +1,198 @@
+"""Loading, the batch descriptor and adapters: behaviour and the errors users meet."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import lean
+from lean.models.config import config_from_hf
+from tests.hf_models import build_hf, peft_wrap, tiny_config
+from tests.util import DEVICE
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    build_hf("qwen3", 0).save_pretrained(d)
+    return d
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+def test_config_dialects_4x_and_5x():
+    cfg5 = tiny_config("llama").to_dict()
+    c5 = config_from_hf(cfg5)
+    assert c5.rope_scaling["rope_type"] == "llama3" and c5.rope_theta == 500000.0
+    cfg4 = dict(cfg5)
+    rp = cfg4.pop("rope_parameters")
+    cfg4["rope_theta"] = rp.pop("rope_theta")
+    cfg4["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rp.items()}
+    cfg4.pop("tie_word_embeddings")  # 4.x omits the key when it is True
+    c4 = config_from_hf(cfg4)
+    assert c4.rope_scaling == c5.rope_scaling and c4.rope_theta == c5.rope_theta
+    assert c4.tie_embeddings is True
+
+
+def test_qwen3_config_fields():
+    c = config_from_hf(tiny_config("qwen3").to_dict())
+    assert c.qk_norm and c.tie_embeddings and c.head_dim == 32 and c.head_dim * c.n_heads != c.hidden
+    c2 = config_from_hf(tiny_config("qwen2").to_dict())
+    assert c2.qkv_bias and not c2.o_bias and not c2.qk_norm
+
+
+@pytest.mark.parametrize("patch, match", [
+    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture.*LlamaForCausalLM"),
+    ({"hidden_act": "gelu"}, "silu"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope type 'dynamic'"),
+    ({"use_sliding_window": True}, "sliding-window"),
+])
+def test_config_refusals(patch, match):
+    cfg = tiny_config("qwen2").to_dict()
+    cfg.update(patch)
+    with pytest.raises(lean.UnsupportedModelError, match=match):
+        config_from_hf(cfg)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def test_load_matches_hf_tensors(qwen3_dir):
+    from safetensors.torch import load_file
+
+    model = lean.load_model(qwen3_dir, dtype=torch.float32, device=DEVICE)
+    ref = load_file(str(qwen3_dir / "model.safetensors"))
+    ours = dict(model.hf_tensors())
+    assert set(ours) == {k for k in ref if k != "lm_head.weight"}
+    for k, t in ours.items():
+        assert torch.equal(t.cpu(), ref[k]), k
+    assert model.lm_head.data_ptr() == model.embed.data_ptr()  # tied: one tensor
+
+
+def test_load_errors(tmp_path, qwen3_dir):
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(lean.ModelLoadError, match="does not exist"):
+        lean.load_model(tmp_path / "nope", device=DEVICE)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(lean.ModelLoadError, match="no config.json"):
+        lean.load_model(tmp_path / "empty", device=DEVICE)
+
+    def variant(name, tensors=None, raw=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((qwen3_dir / "config.json").read_text())
+        if raw is not None:
+            (d / "model.safetensors").write_bytes(raw)
+        elif tensors is not None:
+            save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    full = load_file(str(qwen3_dir / "model.safetensors"))
+    blob = (qwen3_dir / "model.safetensors").read_bytes()
+    with pytest.raises(lean.ModelLoadError, match="truncated"):
+        lean.load_model(variant("trunc", raw=blob[: len(blob) // 2]), device=DEVICE)
+    missing = {k: v for k, v in full.items() if "layers.1.mlp.up_proj" not in k}
+    with pytest.raises(lean.ModelLoadError, match="missing 1 tensor.*layers.1.mlp.up_proj"):
+        lean.load_model(variant("missing", missing), device=DEVICE)
+    bad = dict(full)
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(lean.ModelLoadError, match=r"q_proj.weight has shape \(3, 64\)"):
+        lean.load_model(variant("shape", bad), device=DEVICE)
+    extra = dict(full)
+    extra["model.layers.0.mlp.surprise"] = torch.zeros(2)
+    with pytest.raises(lean.ModelLoadError, match="unexpected 1 tensor.*surprise"):
+        lean.load_model(variant("extra", extra), device=DEVICE)
+    d = variant("pickle")
+    torch.save({}, d / "pytorch_model.bin")
+    with pytest.raises(lean.ModelLoadError, match="pickle.*safetensors"):
+        lean.load_model(d, device=DEVICE)
+    d = variant("arch", full)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(lean.UnsupportedModelError, match="unsupported architecture"):
+        lean.load_model(d, device=DEVICE)
+
+
+# ---- batch descriptor ----------------------------------------------------------------------------
+
+def test_pack_descriptor():
+    docs = [[5, 6, 7], ([1, 2, 3, 4], [0, 0, 1, 1]), [9]]
+    b = lean.pack(docs, max_tokens=10, device=DEVICE)
+    assert b.ids.tolist() == [5, 6, 7, 1, 2, 3, 4, 9]
+    assert b.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert b.cu_seqlens.tolist() == [0, 3, 7, 8]
+    # targets never cross a document; masked tokens (1, 2) are not predicted
+    assert b.targets.tolist() == [6, 7, -100, -100, 3, 4, -100, -100]
+    assert b.max_seqlen == 4 and b.n_targets == 4 and b.n_tokens == 8
+    p = lean.pack(docs, max_tokens=12, pad_to=12, device=DEVICE)
+    assert p.n_tokens == 12 and p.cu_seqlens.tolist() == [0, 3, 7, 8, 12]
+    assert p.targets.tolist()[8:] == [-100] * 4 and p.n_targets == 4
+
+
+def test_pack_errors():
+    with pytest.raises(lean.BatchError, match="empty batch"):
+        lean.pack([], max_tokens=8, device=DEVICE)
+    with pytest.raises(lean.BatchError, match="document 1 has 9 tokens.*max_tokens=8"):
+        lean.pack([[1], list(range(9))], max_tokens=8, device=DEVICE)
+    with pytest.raises(lean.BatchError, match="12 tokens, more than max_tokens=10"):
+        lean.pack([[1] * 6, [2] * 6], max_tokens=10, device=DEVICE)
+    with pytest.raises(lean.BatchError, match="loss mask has 2 entries for 3 tokens"):
+        lean.pack([([1, 2, 3], [1, 1])], max_tokens=8, device=DEVICE)
+    with pytest.raises(lean.BatchError, match="out of range"):
+        lean.pack([[1, 2, 300]], max_tokens=8, device=DEVICE, vocab=100)
+
+
+# ---- adapters ----------------------------------------------------------------------------------
+
+def test_lora_init_matches_peft_init_distribution(qwen3_dir):
+    model = lean.load_model(qwen3_dir, dtype=torch.float32, device=DEVICE)
+    lora = lean.LoRA.init(model, r=8, alpha=16, targets=["q_proj", "down"], seed=3)
+    assert lora.targets == ("q", "down") and lora.scale == 2.0
+    for layer in lora.layers:
+        for t, ad in layer.items():
+            bound = 1 / np.sqrt(ad.a.shape[1])
+            assert ad.a.abs().max() <= bound and ad.a.abs().max() > 0.5 * bound
+            assert torch.count_nonzero(ad.b) == 0
+    again = lean.LoRA.init(model, r=8, alpha=16, targets=["q_proj", "down"], seed=3)
+    assert torch.equal(again.params, lora.params)
+    assert lean.LoRA.init(model, r=8, alpha=16, use_rslora=True).scale == pytest.approx(16 / np.sqrt(8))
+    with pytest.raises(lean.LoRAError, match="unknown LoRA target 'lm_head'"):
+        lean.LoRA.init(model, targets=["lm_head"])
+
+
+def test_adapter_round_trip_with_peft(tmp_path, qwen3_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = lean.load_model(qwen3_dir, dtype=torch.float32, device=DEVICE)
+    lora = lean.LoRA.init(model, r=4, alpha=8, targets="q,v,up", seed=1)
+    lora.params.add_(0.01)  # non-zero B
+    lora.sync_lowp()
+    lora.save(tmp_path / "ours")
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, torch_dtype=torch.float32)
+    pm = PeftModel.from_pretrained(hf, tmp_path / "ours")
+    theirs = {k.replace(".default", ""): v for k, v in pm.state_dict().items() if "lora_" in k}
+    ours = lora.state_dict()
+    assert set(theirs) == set(ours)
+    for k in ours:
+        assert torch.equal(theirs[k].cpu(), ours[k].cpu()), k
+    # and back: PEFT saves, lean loads the same numbers
+    pm.save_pretrained(tmp_path / "theirs")
+    back = lean.LoRA.load(model, tmp_path / "theirs")
+    assert back.targets == lora.targets and back.r == 4 and back.scale == lora.scale
+    assert torch.equal(back.params, lora.params)
+
+
+def test_adapter_errors(tmp_path, qwen3_dir):
+    model = lean.load_model(qwen3_dir, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(lean.LoRAError, match="not a PEFT LoRA adapter"):
+        lean.LoRA.load(model, tmp_path)
+    lora = lean.LoRA.init(model, r=4, alpha=8, seed=0)
+    lora.save(tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(lean.LoRAError, match="use_dora"):
+        lean.LoRA.load(model, tmp_path / "a")
+    assert not list((tmp_path / "a").glob("*.tmp"))  # atomic writes leave no temporaries

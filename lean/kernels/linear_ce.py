@@ -1,0 +1,180 @@
+"""Fused lm_head + cross-entropy: the summed token loss and dL/dh without an N x V logits tensor.
+
+Shapes: N tokens in the packed batch, C hidden, V vocab.
+
+    logits = h @ w^T                                   (N, V), never materialised whole
+    m_i    = max_v logits_iv,  lse_i = m_i + log sum_v exp(logits_iv - m_i)        fp32
+    loss   = [sum_{i valid} (lse_i - logits_i,t_i),  #valid]
+    dh     = grad_scale * (softmax(logits) - onehot(t)) @ w,   rows of ignored tokens = 0
+
+Inputs:  h (N, C) fp32/fp16/bf16, unit last stride (the final hidden states, after the final norm);
+         w (V, C) same dtype, unit last stride (lm_head weight or the tied embedding table, frozen:
+         there is no dw); targets (N,) int32/int64, contiguous, `ignore_index` marks tokens with no
+         target (any other value must lie in [0, V): it is not checked, that would be a host sync).
+Outputs: loss (2,) fp32 written with `=`: [sum of CE over valid tokens, valid-token count as float];
+         dh (N, C) in h's dtype written with `=`, or None for evaluation (the second GEMM is skipped).
+Saves:   nothing; forward and backward are one pass (the lm_head is frozen, so dh is all we need).
+
+Per chunk of `chunk_rows` tokens: (1) one GEMM writes logits_chunk = h_chunk @ w^T into a scratch
+(chunk_rows, V) buffer in h's dtype; (2) `_linear_ce_fwd_bwd_kernel`, one program per row, reads
+the row once for an online max / sum-exp (fp32), reads the target logit, writes the row's loss,
+then reads the row again and overwrites it in place with grad_scale * (softmax - onehot) in h's
+dtype (zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w. After the last chunk,
+`_linear_ce_sum_kernel` (one program, fixed order, no atomics) sums the per-row losses and counts
+the valid targets, so the loss is bit-for-bit deterministic.
+
+Numerics (the same as HF transformers): HF's lm_head returns logits in the activation dtype and
+upcasts them to fp32 for the cross-entropy; autograd then casts the fp32 gradient of the logits
+back to the activation dtype before the dh matmul. lean does exactly this: the scratch holds the
+logits rounded once to h's dtype (fp32 GEMM accumulation), log-sum-exp and softmax are fp32, and
+the gradient is rounded once to h's dtype before the second GEMM. Keeping the scratch in h's
+dtype (not fp32) also halves its memory and the bytes the row kernel and the second GEMM move.
+
+Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses). Default
+chunk_rows on GPU: enough rows that the dh GEMM (chunk_rows, C) has ~132 output tiles of
+64 x 128 (one per H100 SM), capped so the scratch stays under _GPU_CHUNK_BYTES; under the
+interpreter 64 rows.
+
+Supported: any N >= 0, V >= 1, C >= 1; row * V may exceed 2^31 (int64 row offsets).
+Tested: tests/test_linear_ce.py: fp32 and fp16 on CPU (interpreter), N 1..300, V 97..2053, C 64/80,
+several chunks with a partial last one, ignored rows, all rows ignored, grad_scale != 1, dh=None,
+logits of std 100; the gpu-marked cases (bf16 and fp32 up to N 16384, V 151936, C 1024, also as one
+2.5e9-logit chunk) are written for the H100 but have not been run yet.
+Caution: the launcher allocates its scratch through torch's caching allocator on every call.
+Caution: fp32 inputs go through gemm.py's exact-fp32 (not tf32) path: correct but slow on a GPU.
+Caution: a target outside [0, V) that is not ignore_index contributes lse (target logit read as 0).
+Caution: the valid count is exact below 2^24 tokens; grad_scale must be a Python number (a device
+tensor would need a host sync).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lean.kernels._check import check
+from lean.kernels.gemm import matmul
+
+# Untuned first guesses for H100 (no GPU measurement yet): the row kernel streams 2 x V elements per
+# row; 4096-wide blocks with 8 warps give 16 elements per thread per iteration.
+_GPU_BLOCK_V, _GPU_ROW_WARPS = 4096, 8
+# "A few hundred MB at most" for the logits scratch (untuned; smaller chunks starve the dh GEMM,
+# whose output is only chunk_rows x C).
+_GPU_CHUNK_BYTES = 256 << 20
+_GPU_FILL = 132 * 64 * 128  # dh GEMM elements for one gemm.py small-config 64 x 128 tile per H100 SM
+_INTERP_BLOCK_V, _INTERP_CHUNK_ROWS = 512, 64  # small, so the CPU tests cross block and chunk edges
+_SUM_BLOCK = 1024
+
+
+@triton.jit
+def _linear_ce_fwd_bwd_kernel(
+    logits_ptr,  # (rows, V) in: logits; out: grad_scale * (softmax - onehot) if WRITE_GRAD
+    row_loss_ptr,  # (rows,) fp32 out: lse - target logit, 0 for ignored rows
+    targets_ptr,  # (rows,) int32/int64
+    V, stride_row,  # sizes
+    grad_scale, ignore_index,  # scalars
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row  # int64: row * V passes 2^31 at N 16k, V 152k
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+
+    # Pass 1: online max (one block reduction per block) and per-lane sums of exp. Exponents are
+    # taken of x - m (exact near the max, Sterbenz) and only then scaled to base 2: scaling x first
+    # would add an error of ulp(x * log2 e) to every exponent, visible when |logits| ~ 100s.
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf"), eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.exp2((x - m_new) * 1.4426950408889634)
+        m = m_new  # first block: m = -inf, so s = 0 * 0 + exp2(...)
+    log2_s = tl.log2(tl.sum(s, axis=0))  # lse = m + log2_s * ln 2
+    in_range = valid & (target >= 0) & (target < V)
+    x_t = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
+    tl.store(row_loss_ptr + row, tl.where(valid, (m - x_t) + log2_s * 0.6931471805599453, 0.0))
+
+    # Pass 2: overwrite the row with its gradient (zeros for an ignored row).
+    if WRITE_GRAD:
+        scale = tl.where(valid, grad_scale, 0.0)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+            p = tl.exp2((x.to(tl.float32) - m) * 1.4426950408889634 - log2_s)  # softmax
+            g = scale * (p - tl.where(offs == target, 1.0, 0.0))
+            tl.store(base + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_ce_sum_kernel(
+    loss_ptr,  # (2,) fp32 out: [sum of row losses, number of valid targets]
+    row_loss_ptr,  # (N,) fp32
+    targets_ptr,  # (N,) int32/int64
+    N, ignore_index,
+    BLOCK: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    cnt = tl.zeros((BLOCK,), tl.float32)  # exact: each lane counts at most N / BLOCK tokens
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        acc += tl.load(row_loss_ptr + offs, mask=mask, other=0.0)
+        t = tl.load(targets_ptr + offs, mask=mask, other=0)
+        cnt += tl.where(mask & (t != ignore_index), 1.0, 0.0)
+    tl.store(loss_ptr, tl.sum(acc, axis=0))
+    tl.store(loss_ptr + 1, tl.sum(cnt, axis=0))  # count < 2^24 stays exact in fp32
+
+
+def _default_chunk_rows(N, V, C, elsize, interpret):
+    if interpret:
+        return _INTERP_CHUNK_ROWS
+    fill = triton.cdiv(triton.cdiv(_GPU_FILL, C), 128) * 128  # rows for ~132 dh tiles
+    cap = max(128, _GPU_CHUNK_BYTES // (V * elsize) // 128 * 128)  # rows within the budget
+    return max(1, min(fill, cap, N))
+
+
+def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None):
+    """loss (2,) fp32 = [CE sum over valid tokens, valid count]; dh (N, C) = grad_scale * dCE/dh
+    (or None: loss only). h (N, C), w (V, C), targets (N,). Both outputs are written with `=`."""
+    check(h, "h", shape=(None, None), dtype=(torch.float32, torch.float16, torch.bfloat16),
+          last_contiguous=True)
+    N, C = h.shape
+    dev = h.device
+    check(w, "w", shape=(None, C), dtype=h.dtype, device=dev, last_contiguous=True)
+    V = w.shape[0]
+    check(targets, "targets", shape=(N,), dtype=(torch.int32, torch.int64), device=dev, contiguous=True)
+    check(loss, "loss", shape=(2,), dtype=torch.float32, device=dev, contiguous=True)
+    if dh is not None:
+        check(dh, "dh", shape=(N, C), dtype=h.dtype, device=dev, last_contiguous=True)
+    if V < 1 or C < 1:
+        raise ValueError(f"linear_ce_fwd_bwd: needs V >= 1 and C >= 1, got V={V}, C={C}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if chunk_rows is None:
+        chunk_rows = _default_chunk_rows(N, V, C, h.element_size(), interpret)
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"linear_ce_fwd_bwd: chunk_rows must be a positive int, got {chunk_rows!r}")
+    block_v = min(_INTERP_BLOCK_V if interpret else _GPU_BLOCK_V, triton.next_power_of_2(V))
+    row_warps = 4 if interpret else _GPU_ROW_WARPS
+
+    chunk_rows = max(1, min(chunk_rows, N))
+    scratch = torch.empty((chunk_rows, V), dtype=h.dtype, device=dev)  # (chunk_rows, V): logits, dlogits
+    row_loss = torch.empty((N,), dtype=torch.float32, device=dev)  # (N,) per-token CE
+    for r0 in range(0, N, chunk_rows):
+        r1 = min(N, r0 + chunk_rows)
+        logits = scratch[: r1 - r0]  # (rows, V)
+        matmul(logits, h[r0:r1], w.t())
+        _linear_ce_fwd_bwd_kernel[(r1 - r0,)](
+            logits, row_loss[r0:r1], targets[r0:r1],
+            V, logits.stride(0),
+            float(grad_scale), ignore_index,
+            BLOCK_V=block_v, WRITE_GRAD=dh is not None, num_warps=row_warps,
+        )
+        if dh is not None:
+            matmul(dh[r0:r1], logits, w)  # (rows, C) = dlogits @ w
+    _linear_ce_sum_kernel[(1,)](loss, row_loss, targets, N, ignore_index, BLOCK=_SUM_BLOCK, num_warps=4)

@@ -1,0 +1,174 @@
+"""GEMM: c = alpha * (a @ b) [+ bias] [+ c], the one matmul behind every frozen projection and
+every gradient product that is not fused elsewhere.
+
+Shape legend (this file): M rows of the output, N columns of the output, K the reduced dimension.
+
+    a    (M, K)  bf16 / fp16 / fp32, any 2-D strided view with a unit stride in either dimension
+    b    (K, N)  same dtype as a, same freedom of strides
+    bias (N,)    optional, a's dtype or fp32, contiguous
+    c    (M, N)  bf16 / fp16 / fp32 with a unit last-dim stride; written (or accumulated into)
+
+    c = alpha * (a @ b) + bias + (c if accumulate else 0), fp32 accumulation, one rounding to
+    c's dtype at the end.
+
+Because a and b are strided views, the transposes a LoRA model needs cost no copy:
+    y  = x W^T      matmul(y, x, w.t())        w: HF weight (O, K)
+    dx = dy W       matmul(dx, dy, w)
+    dW = dy^T x     matmul(dw, dy.t(), x)
+
+Nothing is saved (the op has no backward of its own: its gradients are two more matmuls).
+
+Program order: a 1-D grid, tiles "grouped" GROUP_M row-blocks at a time (Triton tutorial 03), so
+consecutive programs share b's column panel and a's row panels in L2.
+
+Supported: every M, N, K >= 0 (K == 0 gives bias [+ c]); bf16/fp16 inputs use the tensor cores
+with fp32 accumulation; fp32 inputs use exact IEEE fp32 products (input_precision="ieee", not
+tf32), slow on a GPU, meant for tests and small fp32 reductions.
+Tested: tests/test_gemm.py: fp32 and fp16 (CPU interpreter), bf16 (H100), odd sizes, transposed
+views of a and b, bias, accumulate, alpha, rejection of bad arguments.
+Speed (H100, bf16, 8192 tokens, Qwen3-0.6B / Llama-3.2-1B projections, tools/gemm_tune.py):
+dy W 0.83-0.95x cuBLAS; x W^T (K-contiguous b) only 0.66-0.77x cuBLAS: pointer loads + wgmma
+through Triton 3.6, no TMA, no warp specialisation (the obvious next step).
+Caution:
+  - c must not alias a or b (tiles of c are written while other programs still read a and b).
+  - row offsets are int64; the per-step K advance BLOCK_K * stride is int32, so the launcher
+    rejects views whose K-stride times BLOCK_K reaches 2^31 (needs a stride above 2^25).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lean.kernels._check import check
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map a 1-D program id to (pid_m, pid_n), walking GROUP_M row-blocks down one column panel
+    before moving right (L2 reuse of the b panel). Shared with lora_linear.py."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def _matmul_kernel(
+    c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
+    a_ptr, b_ptr, bias_ptr,                 # (M, K), (K, N) strided views; bias (N,) or dummy
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    alpha,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,                # "ieee" for fp32 inputs, "tf32" (ignored) for 16-bit
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # int64 row/column offsets: M * stride can pass 2^31 (e.g. 8192 tokens x 151936 logits).
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    acc = acc * alpha
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit inputs, H100.
+# Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine Qwen3-0.6B / Llama-3.2-1B
+# projection shapes, two runs on one H100 (Triton 3.6, torch 2.11 / cuBLAS):
+#   y = x W^T (b = w.t(), K-contiguous): 256x128x64 w8 s3 460-545 TF/s (0.66-0.74x cuBLAS) beats
+#     128x256x64 s3/s4 400-530 and 128x128 360-490; ptxas serialises the 128x256 wgmmas in this
+#     layout (warning C7515). Loading W's tile (BN, BK) and tl.trans'ing it measured the same.
+#     Exception: N = 512 (Llama k/v), where 256x128 tiles give only 128 programs: 128x256 s4 432.
+#   dx = dy W (b row-major): 128x256x64 w8 s4 430-714 TF/s (0.83-0.95x cuBLAS), 5-15% over s3;
+#     256x128 and 128x128 trail by 10-30%.
+_KMAJOR_B = (256, 128, 64, 8, 3)  # b K-contiguous (x W^T), when its grid fills the 132 SMs
+_WIDE = (128, 256, 64, 8, 4)      # b row-major, and x W^T with few 256x128 tiles
+_SMALL = (64, 128, 64, 4, 4)      # outputs under half a wave of 128x256 tiles: untuned
+_FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
+_INTERPRET = (32, 32, 32, 4, 1)   # TRITON_INTERPRET=1: few, cheap programs for CPU tests
+GROUP_M = 8
+NUM_SMS = 132                     # H100 SXM
+
+
+def interpreting():
+    """True when kernels run in the Triton CPU interpreter (read at launch time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gemm_config(M, N, dtype, b_kmajor=False):
+    """Pick (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an (M, N) output; b_kmajor:
+    b's unit stride runs along K (b is a transposed row-major weight, as in x W^T)."""
+    if interpreting():
+        return _INTERPRET
+    if dtype == torch.float32:
+        return _FP32
+    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= NUM_SMS:
+        return _KMAJOR_B
+    if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= NUM_SMS // 2:
+        return _WIDE
+    return _SMALL
+
+
+def _check_strided(t, name):
+    """a and b may be transposed views, but one of their two strides must be 1."""
+    if t.dim() == 2 and t.stride(0) != 1 and t.stride(1) != 1 and min(t.shape) > 1:
+        raise ValueError(f"{name}: expected a unit stride in one dimension, got strides {t.stride()} "
+                         "(call .contiguous())")
+
+
+def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
+    """c (M, N) = alpha * (a (M, K) @ b (K, N)) [+ bias (N,)] [+ c if accumulate]."""
+    check(a, "a", shape=(None, None), dtype=FLOATS)
+    M, K = a.shape
+    check(b, "b", shape=(K, None), dtype=a.dtype, device=a.device)
+    N = b.shape[1]
+    check(c, "c", shape=(M, N), dtype=FLOATS, device=a.device, last_contiguous=True)
+    _check_strided(a, "a")
+    _check_strided(b, "b")
+    if bias is not None:
+        check(bias, "bias", shape=(N,), dtype=(a.dtype, torch.float32), device=a.device, contiguous=True)
+    if M == 0 or N == 0:
+        return
+    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, b_kmajor=b.stride(0) == 1 and N > 1)
+    if max(a.stride(1), b.stride(0)) * BK >= 2**31:
+        raise ValueError(f"matmul: K-stride {max(a.stride(1), b.stride(0))} too large for int32 "
+                         "pointer steps (call .contiguous())")
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _matmul_kernel[grid](
+        c, a, b, bias if bias is not None else c,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+        float(alpha),
+        HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )

@@ -1,0 +1,429 @@
+"""LoRA linear: the base projection and its low-rank update in one GEMM, forward and backward.
+
+Shape legend: N tokens in the packed batch, K input features, O output features, R LoRA rank.
+
+Forward (PEFT semantics: dropout on the LoRA branch only, inverted, keep-probability 1 - p):
+    xa = drop(x) A^T                                    (N, R)  saved for backward, x's dtype
+    y  = x W^T + bias + scale * xa B^T                  (N, O)  x's dtype
+  x (N, K) unit last-dim stride; w (O, K) frozen, a (R, K), b (O, R) contiguous, all in x's dtype
+  (bf16 / fp16 / fp32); bias (O,) optional (Qwen2 q/k/v), x's dtype or fp32.
+  p == 0: ONE kernel. Its K loop accumulates x W^T (BLOCK_M x BLOCK_N) and x A^T (BLOCK_M x R)
+  from the same x tile; the epilogue adds scale * xa B^T and programs of the first column block
+  store xa. The x A^T work is repeated per column block: R / BLOCK_N extra MMA (6% at R=16).
+  p > 0: a small pre-pass writes xa = drop(x) A^T, then the same kernel reads xa in its epilogue.
+  Generating the mask inside the fused K loop would run Philox O / BLOCK_N times per x element;
+  Philox costs ~100 integer ops per element, several times the GEMM's own time (napkin math).
+
+Backward (the forward read bottom-up; dy B is the gradient flowing into xa):
+    dyb = dy B                                          (N, R)  scratch, x's dtype (rounded as torch)
+    dx  = dy W + scale * drop'(dyb A)          (=)      (N, K)  x's dtype; dx=None skips it
+    da += scale * dyb^T drop(x)                (+=)     (R, K)  fp32
+    db += scale * dy^T xa                      (+=)     (O, R)  fp32
+  Kernel 1 (grid over dx tiles): the O loop accumulates dy W and dy B from one dy tile; the
+  epilogue adds scale * (dy B) A into the same accumulator (p > 0: a separate product times the
+  regenerated mask of its tile) and writes dx; programs of the first column block store dy B.
+  Kernel 2 (twice): partials of x^T dyb (masked x) and dy^T xa over token chunks into fp32
+  scratch (S, K*R) and (S, O*R), S ~ 2*132 / feature blocks. Kernel 3 (twice): sums the partials
+  in a fixed order into da / db. No atomics: da and db are bit-identical from run to run for a
+  given shape. += lets micro-batches accumulate; the caller zeroes da/db once per step.
+
+Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x), regenerated
+identically by the forward pre-pass and both backward kernels; reproducible for a seed.
+lora_dropout_mask writes it out as 0/1 for tests.
+
+Supported: R in 1..128 (padded to a power of two >= 16 for tl.dot); p in [0, 1); any N, K, O.
+Tested: tests/test_lora_linear.py: fp32 and fp16 (CPU interpreter), bf16 (H100); N, K, O odd
+(37, 129, 257 ...); R 8 and 16 (64 on the GPU); bias on/off; p 0 and 0.1; accumulation;
+determinism; rejections. Timings: tools/gemm_tune.py (numbers beside the configs below).
+Caution:
+  - R not a multiple of 16: the backward runs kernel 1 on zero-padded copies of a and b (rank
+    RP). Unpadded, R = 8 gave a wrong dy B on an H100 (Triton 3.6; masked 16-byte B rows) while
+    the interpreter and R = 16, 64 were right. The padded route is the R = 16 code path that
+    passed on the H100, but was itself not rerun there.
+  - dropout > 0 costs Philox per x element three times (forward pre-pass, dx epilogue, da
+    partials): +50-150 us per projection at N = 8192 on an H100 (qwen3 down: 104 -> 249 us fwd).
+  - fp32 inputs use IEEE products (no tf32): exact but slow on a GPU, meant for tests.
+  - every call launches 1-2 (forward) or 5 (backward) kernels: small shapes are bound by
+    Triton's Python launch cost (~30 us each) unless the step is captured in a CUDA graph.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from lean.kernels._check import check
+from lean.kernels.gemm import FLOATS, NUM_SMS, grouped_tile, interpreting, matmul
+
+
+@triton.jit
+def _keep(seed, idx, p):
+    """Dropout keep-mask of the x elements at flat int64 indices idx = n * K + k of an (N, K) x."""
+    return tl.rand(seed, idx) >= p
+
+
+@triton.jit
+def _lora_dropout_mask_kernel(mask_ptr, N, K, seed, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    keep = _keep(seed, rm.to(tl.int64)[:, None] * K + rk[None, :], p)
+    ptrs = mask_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+    tl.store(ptrs, keep.to(mask_ptr.dtype.element_ty), mask=(rm < N)[:, None] & (rk < K)[None, :])
+
+
+@triton.jit
+def _lora_xa_kernel(
+    xa_ptr,                                 # (N, R) out: drop(x) A^T
+    x_ptr, a_ptr,                           # (N, K) row stride stride_x; (R, K)
+    N, K, R, stride_x, seed, p, inv_keep,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < N
+    r_ok = rr < R
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
+    a_ptrs = a_ptr + rr[None, :] * K + rk[:, None]                     # A^T tile (BLOCK_K, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        idx = rm.to(tl.int64)[:, None] * K + (k0 + rk)[None, :]
+        xt = tl.where(_keep(seed, idx, p), xt, tl.zeros_like(xt))
+        at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    xa_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
+    tl.store(xa_ptrs, (acc * inv_keep).to(xa_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_linear_fwd_kernel(
+    y_ptr, xa_ptr,                          # (N, O) out; (N, R) out if COMPUTE_XA, else in
+    x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr,   # (N, K); (O, K); (R, K); (O, R); (O,) or dummy
+    N, K, O, R, stride_x, stride_y, scale,
+    HAS_BIAS: tl.constexpr, COMPUTE_XA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, O, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok, n_ok, r_ok = rm < N, rn < O, rr < R
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]        # W^T tile (BLOCK_K, BLOCK_N)
+    a_ptrs = a_ptr + rr[None, :] * K + rk[:, None]                     # A^T tile (BLOCK_K, BLOCK_R)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        if COMPUTE_XA:
+            at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            xa = tl.dot(xt, at, xa, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # Epilogue: the low-rank term enters the same accumulator, from xa rounded like the saved xa.
+    xa_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
+    xa_mask = m_ok[:, None] & r_ok[None, :]
+    if COMPUTE_XA:
+        xa_lp = xa.to(xa_ptr.dtype.element_ty)
+        if pid_n == 0:
+            tl.store(xa_ptrs, xa_lp, mask=xa_mask)
+    else:
+        xa_lp = tl.load(xa_ptrs, mask=xa_mask, other=0.0)
+    # scale folded into xa (exact for power-of-two scales) so the product accumulates in place:
+    # a separate 128x256 fp32 result would spill on sm_90.
+    xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+    bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = tl.dot(xs, bt, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_linear_bwd_kernel(
+    dx_ptr, dyb_ptr,                        # (N, K) out if HAS_DX; (N, R) out: dy B in dy's dtype
+    dy_ptr, w_ptr, a_ptr, b_ptr,            # (N, O); (O, K); (R, K); (O, R)
+    N, K, O, R, stride_dx, stride_dy, scale, seed, p, inv_keep,
+    HAS_DX: tl.constexpr, DROPOUT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    if HAS_DX:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
+    else:                                                              # one program per row block
+        pid_m, pid_n = tl.program_id(0), 0
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # columns of dx (K)
+    ro = tl.arange(0, BLOCK_O)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok, n_ok, r_ok = rm < N, rn < K, rr < R
+    dy_ptrs = dy_ptr + rm.to(tl.int64)[:, None] * stride_dy + ro[None, :]
+    w_ptrs = w_ptr + ro.to(tl.int64)[:, None] * K + rn[None, :]        # W tile (BLOCK_O, BLOCK_N)
+    b_ptrs = b_ptr + ro[:, None] * R + rr[None, :]                     # B tile (BLOCK_O, BLOCK_R)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for o0 in range(0, O, BLOCK_O):
+        o_ok = ro < O - o0
+        dyt = tl.load(dy_ptrs, mask=m_ok[:, None] & o_ok[None, :], other=0.0)
+        if HAS_DX:
+            wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(dyt, wt, acc, input_precision=PRECISION)
+            w_ptrs += BLOCK_O * K
+        bt = tl.load(b_ptrs, mask=o_ok[:, None] & r_ok[None, :], other=0.0)
+        dyb = tl.dot(dyt, bt, dyb, input_precision=PRECISION)
+        dy_ptrs += BLOCK_O
+        b_ptrs += BLOCK_O * R
+
+    dyb_lp = dyb.to(dyb_ptr.dtype.element_ty)                         # rounded like torch's dy B
+    if pid_n == 0:
+        dyb_ptrs = dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
+        tl.store(dyb_ptrs, dyb_lp, mask=m_ok[:, None] & r_ok[None, :])
+    if HAS_DX:
+        at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if DROPOUT:
+            low = tl.dot(dyb_lp, at, input_precision=PRECISION)          # (BLOCK_M, BLOCK_N)
+            idx = rm.to(tl.int64)[:, None] * K + rn[None, :]
+            acc += low * tl.where(_keep(seed, idx, p), scale * inv_keep, 0.0)
+        else:
+            # scale folded into dy B (exact for power-of-two scales): accumulates in place.
+            dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
+            acc = tl.dot(dyb_s, at, acc, input_precision=PRECISION)
+        dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
+        if ACCUMULATE:  # dx += : the input gradient of projections that share an input (q, k, v)
+            acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_grad_partial_kernel(
+    part_ptr,                               # (S, P*R) fp32 out, element (i, r) at i*stride_pi + r*stride_pr
+    u_ptr, v_ptr,                           # u (N, P) row stride stride_u; v (N, R) contiguous
+    N, P, R, stride_u, stride_pi, stride_pr, chunk, seed, p,
+    DROPOUT: tl.constexpr,                  # u is x: zero the elements the dropout mask drops
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """part[s] = u[tokens of chunk s]^T @ v[same tokens]: da (u = x, v = dy B) and db (u = dy, v = xa)."""
+    s = tl.program_id(1)
+    ri = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rt = s * chunk + tl.arange(0, BLOCK_T)
+    rr = tl.arange(0, BLOCK_R)
+    i_ok, r_ok = ri < P, rr < R
+    ut_ptrs = u_ptr + rt.to(tl.int64)[None, :] * stride_u + ri[:, None]    # u^T tile (BLOCK_P, BLOCK_T)
+    v_ptrs = v_ptr + rt.to(tl.int64)[:, None] * R + rr[None, :]            # v tile (BLOCK_T, BLOCK_R)
+    acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    for t0 in range(0, chunk, BLOCK_T):
+        t_ok = rt + t0 < N
+        ut = tl.load(ut_ptrs, mask=i_ok[:, None] & t_ok[None, :], other=0.0)
+        if DROPOUT:
+            idx = (rt + t0).to(tl.int64)[None, :] * P + ri[:, None]
+            ut = tl.where(_keep(seed, idx, p), ut, tl.zeros_like(ut))
+        vt = tl.load(v_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
+        ut_ptrs += BLOCK_T * stride_u
+        v_ptrs += BLOCK_T * R
+    part_ptrs = part_ptr + s.to(tl.int64) * P * R + ri[:, None] * stride_pi + rr[None, :] * stride_pr
+    tl.store(part_ptrs, acc, mask=i_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_grad_reduce_kernel(g_ptr, part_ptr, S, numel, stride_s, factor, BLOCK: tl.constexpr):
+    """g (numel,) fp32 += factor * sum over s = 0, 1, ..., S-1 of part[s, :numel] (fixed order)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(part_ptr + s * stride_s + offs, mask=ok, other=0.0)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0)
+    tl.store(g_ptr + offs, g + factor * acc, mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration, 16-bit inputs on an H100. Evidence: tools/gemm_tune.py --sweep, bf16,
+# N = 8192, R = 16, the nine Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs.
+#   forward (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 128x256x64 w8 s4 fastest or tied
+#     (within 2%) on 8 of 9 shapes; 256x128 +5-10%, 128x128 +20-30% time. The LoRA terms cost
+#     ~1% over the same kernel's base GEMM (qwen q: 80.4 us vs 79.5 us for lean's plain x W^T).
+#   backward kernel 1 (BLOCK_M, BLOCK_N over K, BLOCK_O, num_warps, num_stages): 128x256x64 w8 s3
+#     1.27x faster than 128x128 s4 on the GPU-bound shapes (Llama gate/up 594 vs 755 us, down 646
+#     vs 822 us); with dropout it spills 9 KB (ptxas), so p > 0 keeps 128x128 s4 (measured only
+#     there). Smaller shapes measured launch-bound (5 launches, ~30 us of Python each).
+_FWD = (128, 256, 64, 8, 4)
+_BWD = (128, 256, 64, 8, 3)
+_BWD_DROPOUT = (128, 128, 64, 8, 4)
+_FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
+_INTERPRET = (32, 32, 32, 4, 1)
+_XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
+_GRAD = (128, 64, 4, 3)         # da/db partials (BLOCK_P, BLOCK_T, num_warps, num_stages), untuned
+_REDUCE = 1024
+GROUP_M = 8
+
+
+def _fwd_config(N, O, dtype):
+    if interpreting():
+        return _INTERPRET
+    return _FP32 if dtype == torch.float32 else _FWD
+
+
+def _bwd_config(dtype, dropout=0.0):
+    if interpreting():
+        return _INTERPRET
+    if dtype == torch.float32:
+        return _FP32
+    return _BWD_DROPOUT if dropout > 0.0 else _BWD
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_r(R):
+    return max(16, triton.next_power_of_2(R))
+
+
+def _check_lora(x, w, a, b, dropout, seed):
+    """Shared checks of the forward and backward inputs; returns (N, K, O, R)."""
+    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    N, K = x.shape
+    dev, dt = x.device, x.dtype
+    check(w, "w", shape=(None, K), dtype=dt, device=dev, contiguous=True)
+    O = w.shape[0]
+    check(a, "a", shape=(None, K), dtype=dt, device=dev, contiguous=True)
+    R = a.shape[0]
+    check(b, "b", shape=(O, R), dtype=dt, device=dev, contiguous=True)
+    if not 1 <= R <= 128:
+        raise ValueError(f"a: LoRA rank R={R} outside the supported 1..128")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
+    if not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+    return N, K, O, R
+
+
+def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0):
+    """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written."""
+    N, K, O, R = _check_lora(x, w, a, b, dropout, seed)
+    check(y, "y", shape=(N, O), dtype=x.dtype, device=x.device, last_contiguous=True)
+    check(xa, "xa", shape=(N, R), dtype=x.dtype, device=x.device, contiguous=True)
+    if bias is not None:
+        check(bias, "bias", shape=(O,), dtype=(x.dtype, torch.float32), device=x.device, contiguous=True)
+    if N == 0:
+        return
+    BR, prec = _block_r(R), _precision(x.dtype)
+    if dropout > 0.0:
+        BM, BK, warps, stages = (32, 32, 4, 1) if interpreting() else _XA
+        _lora_xa_kernel[(triton.cdiv(N, BM),)](
+            xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
+            BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
+    BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype)
+    grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
+    _lora_linear_fwd_kernel[grid](
+        y, xa, x, w, a, b, bias if bias is not None else y,
+        N, K, O, R, x.stride(0), y.stride(0), float(scale),
+        HAS_BIAS=bias is not None, COMPUTE_XA=dropout == 0.0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, PRECISION=prec,
+        num_warps=warps, num_stages=stages)
+
+
+def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=0, accumulate_dx=False):
+    """dx (N, K) = dy W + scale * drop'(dy B A) (skipped if dx is None; += if accumulate_dx);
+    da (R, K) and db (O, R), fp32, += the LoRA gradients. dropout and seed must be the forward's."""
+    N, K, O, R = _check_lora(x, w, a, b, dropout, seed)
+    dev, dt = x.device, x.dtype
+    check(dy, "dy", shape=(N, O), dtype=dt, device=dev, last_contiguous=True)
+    check(xa, "xa", shape=(N, R), dtype=dt, device=dev, contiguous=True)
+    if dx is not None:
+        check(dx, "dx", shape=(N, K), dtype=dt, device=dev, last_contiguous=True)
+    check(da, "da", shape=(R, K), dtype=torch.float32, device=dev, contiguous=True)
+    check(db, "db", shape=(O, R), dtype=torch.float32, device=dev, contiguous=True)
+    if N == 0:
+        return
+    RP, prec = _block_r(R), _precision(dt)
+    inv_keep = 1.0 / (1.0 - dropout)
+    if RP != R:
+        # Kernel 1 runs on zero-padded copies (RP = 16 for R = 8): see the Caution on ranks.
+        a_pad = torch.zeros((RP, K), device=dev, dtype=dt)                # (RP, K)
+        b_pad = torch.zeros((O, RP), device=dev, dtype=dt)                # (O, RP)
+        a_pad[:R].copy_(a)
+        b_pad[:, :R].copy_(b)
+        a, b = a_pad, b_pad
+
+    # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
+    BM, BN, BO, warps, stages = _bwd_config(dt, dropout)
+    dyb = torch.empty((N, RP), device=dev, dtype=dt)                      # (N, RP)
+    col_blocks = triton.cdiv(K, BN) if dx is not None else 1
+    _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
+        dx if dx is not None else dyb, dyb, dy, w, a, b,
+        N, K, O, RP, dx.stride(0) if dx is not None else 0, dy.stride(0),
+        float(scale), seed, float(dropout), inv_keep,
+        HAS_DX=dx is not None, DROPOUT=dropout > 0.0, ACCUMULATE=accumulate_dx,
+        BLOCK_M=BM, BLOCK_N=BN if dx is not None else 16, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
+        PRECISION=prec, num_warps=warps, num_stages=stages)
+
+    # Kernel 2 (twice): partials over token chunks; kernel 3: fixed-order sums into da / db.
+    _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True)
+    _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False)
+
+
+def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed):
+    """g += factor * u^T v, u (N, P), v (N, R'); g is (R, P) if transposed, else (P, R) with
+    R = R'. Transposed, v may carry zero padding columns (R' > R): their partial rows come last
+    and are left out of the sum."""
+    N, P = u.shape
+    R = v.shape[1]
+    BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
+    p_blocks = triton.cdiv(P, BP)
+    # enough token chunks to give every SM two programs; the chunking depends on shapes only
+    chunk = BT * triton.cdiv(triton.cdiv(N, triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
+    S = triton.cdiv(N, chunk)
+    part = torch.empty((S, P * R), device=u.device, dtype=torch.float32)   # (S, P*R)
+    _lora_grad_partial_kernel[(p_blocks, S)](
+        part, u, v, N, P, R, u.stride(0), 1 if transposed else R, P if transposed else 1,
+        chunk, seed, float(dropout),
+        DROPOUT=dropout > 0.0, BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
+        num_warps=warps, num_stages=stages)
+    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), _REDUCE),)](
+        g, part, S, g.numel(), P * R, float(factor), BLOCK=_REDUCE)
+
+
+def lora_dropout_mask(mask_out, seed, p):
+    """mask_out (N, K) = 1 where the LoRA dropout keeps x[n, k], else 0 (the kernels' own mask)."""
+    check(mask_out, "mask_out", shape=(None, None), dtype=FLOATS + (torch.uint8,), contiguous=True)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p: expected a probability in [0, 1), got {p}")
+    if not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError(f"seed: expected an int in [0, 2^63), got {seed!r}")
+    N, K = mask_out.shape
+    B = 32 if interpreting() else 64
+    _lora_dropout_mask_kernel[(triton.cdiv(N, B), triton.cdiv(K, B))](
+        mask_out, N, K, seed, float(p), BLOCK_M=B, BLOCK_K=B)
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen projections without LoRA: thin wrappers over matmul with the layer's names.
+
+def linear_fwd(y, x, w, *, bias=None):
+    """y (N, O) = x (N, K) W^T + bias, w (O, K) the HF weight."""
+    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    check(w, "w", shape=(None, x.shape[1]), dtype=x.dtype, device=x.device, contiguous=True)
+    check(y, "y", shape=(x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device, last_contiguous=True)
+    matmul(y, x, w.t(), bias=bias)
+
+
+def linear_bwd(dx, dy, w, *, accumulate=False):
+    """dx (N, K) = dy (N, O) W, written (=), or added (+=) when accumulate."""
+    check(dy, "dy", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    check(w, "w", shape=(dy.shape[1], None), dtype=dy.dtype, device=dy.device, contiguous=True)
+    check(dx, "dx", shape=(dy.shape[0], w.shape[1]), dtype=dy.dtype, device=dy.device, last_contiguous=True)
+    matmul(dx, dy, w, accumulate=accumulate)

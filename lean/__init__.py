@@ -11,7 +11,7 @@
 """
 from .models.config import ModelConfig, UnsupportedModelError
 from .runtime.batch import Batch, BatchError, pack
-from .runtime.loader import ModelLoadError, load_model
+from .runtime.loader import ModelLoadError, load_model, model_from_tensors
 from .runtime.lora import LoRA, LoRAError
 from .runtime.optim import AdamW
 from .runtime.step import forward, forward_backward, loss_eval
@@ -19,5 +19,5 @@ from .runtime.step import forward, forward_backward, loss_eval
 __version__ = "0.1.0"
 __all__ = [
     "AdamW", "Batch", "BatchError", "LoRA", "LoRAError", "ModelConfig", "ModelLoadError",
-    "UnsupportedModelError", "forward", "forward_backward", "load_model", "loss_eval", "pack",
+    "UnsupportedModelError", "forward", "forward_backward", "load_model", "model_from_tensors", "loss_eval", "pack",
 ]

@@ -14,9 +14,9 @@ def tiny_config(arch, dtype=torch.float32):
 
     if arch == "llama":  # llama3 RoPE scaling, GQA 4:1, untied
         return LlamaConfig(
-            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=131, max_position_embeddings=256, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, torch_dtype=dtype,
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, vocab_size=131, max_position_embeddings=256, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, dtype=dtype,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 64},
@@ -25,13 +25,13 @@ def tiny_config(arch, dtype=torch.float32):
         return Qwen2Config(
             hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=127, max_position_embeddings=256, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, torch_dtype=dtype,
+            tie_word_embeddings=False, dtype=dtype,
         )
     if arch == "qwen3":  # QK-norm, tied, head_dim (32) != hidden / heads (16)
         return Qwen3Config(
             hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, head_dim=32, vocab_size=137, max_position_embeddings=256,
-            rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype=dtype,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, dtype=dtype,
         )
     raise ValueError(arch)
 
@@ -41,7 +41,7 @@ def build_hf(arch, seed, dtype=torch.float32, config=None):
 
     torch.manual_seed(seed)
     cfg = config or tiny_config(arch, dtype)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     # Random-init norms are all ones; draw them so the norm weights are actually tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -76,7 +76,7 @@ def hf_loss_and_grads(pm, docs, device="cpu"):
         ids, mask = (doc if isinstance(doc, tuple) else (doc, None))
         ids_t = torch.tensor([ids], device=device)
         logits = pm(input_ids=ids_t).logits[0].float()
-        tgt = torch.tensor(ids[1:], device=device)
+        tgt = torch.tensor(ids[1:], device=device, dtype=torch.long)
         if mask is not None:
             keep = torch.tensor(mask[1:], device=device, dtype=torch.bool)
             tgt = torch.where(keep, tgt, torch.full_like(tgt, -100))

@@ -86,8 +86,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
         _refuse("sliding-window attention layers are not supported for this architecture yet "
                 "(set use_sliding_window=false)")
-    if head_dim > 256 or head_dim % 2:
-        _refuse(f"head_dim={head_dim}: lean's attention and RoPE support even head_dim up to 256")
+    if not 16 <= head_dim <= 256 or head_dim % 2:
+        _refuse(f"head_dim={head_dim}: lean's attention and RoPE support even head_dim from 16 to 256")
 
     # RoPE: 5.x puts theta and the scaling in rope_parameters, 4.x uses rope_theta + rope_scaling.
     rp = cfg.get("rope_parameters")

@@ -163,9 +163,12 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
                   sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
                   sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
     rope_bwd(dq.view(N, H, D), dk.view(N, KVH, D), ctx.cos, ctx.sin)
-    if cfg.qk_norm:
-        rmsnorm_bwd(dq.view(N * H, D), None, dq.view(N * H, D), sv.q_pre.view(N * H, D), w.q_norm, sv.rstd_q)
-        rmsnorm_bwd(dk.view(N * KVH, D), None, dk.view(N * KVH, D), sv.k_pre.view(N * KVH, D), w.k_norm, sv.rstd_k)
+    if cfg.qk_norm:  # through the per-head norms to the projections' outputs
+        dq_pre, dk_pre = new(N, H * D), new(N, KVH * D)
+        rmsnorm_bwd(dq_pre.view(N * H, D), None, dq.view(N * H, D), sv.q_pre.view(N * H, D), w.q_norm, sv.rstd_q)
+        rmsnorm_bwd(dk_pre.view(N * KVH, D), None, dk.view(N * KVH, D), sv.k_pre.view(N * KVH, D), w.k_norm,
+                    sv.rstd_k)
+        dq, dk = dq_pre, dk_pre
     dn1 = new(N, C)
     proj_bwd(dn1, dq, sv.n1, w.q, ads.get("q"), sv.xa.get("q"), "q", ctx, li, False)
     proj_bwd(dn1, dk, sv.n1, w.k, ads.get("k"), sv.xa.get("k"), "k", ctx, li, True)

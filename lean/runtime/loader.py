@@ -83,37 +83,52 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None):
     """Load config and weights into a lean Model (flat per-layer tensors in `dtype` on `device`)."""
     from safetensors import safe_open
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = resolve_model_dir(path_or_id)
     cfg = read_config(model_dir)
-    model = empty_model(cfg, dtype, device, path=str(model_dir))
+
+    def tensors():
+        for f in shard_files(model_dir):
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:
+                raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated: "
+                                     "delete it and download it again") from e
+            with handle:
+                for name in handle.keys():
+                    yield name, (lambda n=name: handle.get_tensor(n)), f
+
+    return _fill(cfg, tensors(), dtype, device, str(model_dir))
+
+
+def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None):
+    """A lean Model from a config.json dict and HF-named tensors already in memory."""
+    cfg = config_from_hf(config)
+    return _fill(cfg, ((k, (lambda t=t: t), "tensors") for k, t in tensors.items()), dtype, device, "")
+
+
+def _fill(cfg, named, dtype, device, path):
+    """Copy (name, get_tensor, source) items into a fresh model through the name map."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = empty_model(cfg, dtype, device, path=path)
     targets = dict(model.hf_tensors())
     seen, unexpected = set(), []
-    for f in shard_files(model_dir):
+    for name, get, src in named:
+        dst = targets.get(name)
+        if dst is None:
+            if not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings)):
+                unexpected.append(name)
+            continue
         try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
+            t = get()
         except Exception as e:
-            raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated: "
-                                 "delete it and download it again") from e
-        with handle:
-            for name in handle.keys():
-                dst = targets.get(name)
-                if dst is None:
-                    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings):
-                        continue
-                    unexpected.append(name)
-                    continue
-                try:
-                    t = handle.get_tensor(name)
-                except Exception as e:
-                    raise ModelLoadError(f"{f}: tensor {name} could not be read ({e}); the file may be "
-                                         "truncated: download it again") from e
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise ModelLoadError(f"{f}: tensor {name} has shape {tuple(t.shape)}, but config.json "
-                                         f"implies {tuple(dst.shape)}: the weights do not match the config")
-                dst.copy_(t)  # host -> device copy with the cast to the compute dtype
-                seen.add(name)
+            raise ModelLoadError(f"{src}: tensor {name} could not be read ({e}); the file may be "
+                                 "truncated: download it again") from e
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ModelLoadError(f"{src}: tensor {name} has shape {tuple(t.shape)}, but config.json "
+                                 f"implies {tuple(dst.shape)}: the weights do not match the config")
+        dst.copy_(t)  # host -> device copy with the cast to the compute dtype
+        seen.add(name)
     missing = [n for n in targets if n not in seen]
     if missing or unexpected:
         parts = []
@@ -121,6 +136,6 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None):
             parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
-        raise ModelLoadError(f"{model_dir}: checkpoint does not match a {cfg.hf_architecture} with this config: "
-                             + "; ".join(parts))
+        raise ModelLoadError(f"{path or 'tensors'}: checkpoint does not match a {cfg.hf_architecture} with this "
+                             "config: " + "; ".join(parts))
     return model

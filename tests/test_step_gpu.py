@@ -1,0 +1,142 @@
+"""The step on real model configs (random init) in bf16 on the GPU, and the step's house rules:
+zero host syncs, and torch dispatching no compute op (it only holds tensors)."""
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lean
+from tests.hf_models import build_hf, hf_loss_and_grads, peft_wrap, tiny_config
+from tests.util import DEVICE, ON_GPU, fresh_generator
+
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+LLAMA_32_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+
+
+def _docs(rng, vocab, total, mean=256):
+    docs, left = [], total
+    while left > 0:
+        n = min(left, max(1, int(rng.exponential(mean))))
+        docs.append(rng.integers(0, vocab, n).tolist())
+        left -= n
+    return docs
+
+
+def _norm_err(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [QWEN3_06B, LLAMA_32_1B], ids=["qwen3-0.6b", "llama-3.2-1b"])
+def test_step_bf16_real_configs(config):
+    """lean bf16 vs HF+PEFT fp32 (the reference) and HF+PEFT bf16 (torch's own bf16 error):
+    lean's relative error (L2) must be within 2x torch's bf16 error + 1e-3, for the loss and every
+    LoRA gradient."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gen = fresh_generator("cpu")
+    seed = int(torch.randint(0, 2**30, (1,), generator=gen))
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    sd = {k: v for k, v in hf.state_dict().items()}
+    model = lean.model_from_tensors(config, sd, dtype=torch.bfloat16, device="cuda")
+    lora = lean.LoRA.init(model, r=16, alpha=32, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    lora.params.copy_(lora.params + 0.02 * torch.randn(lora.params.shape, generator=g).to(lora.params.device))
+    lora.sync_lowp()
+    docs = _docs(rng, model.config.vocab, 2048)
+    batch = lean.pack(docs, max_tokens=2048, device="cuda")
+    lora.zero_grad()
+    loss, n = lean.forward_backward(model, lora, batch)
+    ours = {k: v.clone() for k, v in lora.grad_state_dict().items()}
+
+    pm = peft_wrap(hf.cuda(), lora)
+    ref_loss, ref_n, ref_grads = hf_loss_and_grads(pm, docs, device="cuda")
+    hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    hf16.load_state_dict(sd)
+    pm16 = peft_wrap(hf16.to(torch.bfloat16).cuda().eval(), lora)  # PEFT keeps the adapters in fp32
+    lp_loss, _, lp_grads = hf_loss_and_grads(pm16, docs, device="cuda")
+    assert n == ref_n
+    lerr = abs(lp_loss.item() - ref_loss.item()) / ref_loss.item()
+    err = abs(loss.item() - ref_loss.item()) / ref_loss.item()
+    assert err <= 2 * lerr + 1e-3, f"loss: {err:.2e} vs torch bf16 {lerr:.2e}"
+    worst = []
+    for k, ref in ref_grads.items():
+        e, le = _norm_err(ours[k], ref), _norm_err(lp_grads[k].float(), ref)
+        worst.append((e - 2 * le, k, e, le))
+        assert e <= 2 * le + 1e-3, f"{k}: relative L2 error {e:.2e} vs torch bf16 {le:.2e}"
+    print(sorted(worst)[-3:])
+
+
+@pytest.mark.gpu
+def test_step_makes_no_host_sync(tmp_path):
+    hf = build_hf("qwen3", 0)
+    model = lean.model_from_tensors(tiny_config("qwen3").to_dict() | {"architectures": ["Qwen3ForCausalLM"]},
+                                    hf.state_dict(), dtype=torch.bfloat16, device="cuda")
+    lora = lean.LoRA.init(model, r=8, alpha=16, dropout=0.1, seed=0)
+    opt = lean.AdamW(lora, lr=1e-3)
+    rng = np.random.default_rng(0)
+    batch = lean.pack(_docs(rng, model.config.vocab, 200, mean=30), max_tokens=256, device="cuda")
+    lean.forward_backward(model, lora, batch)  # warm-up: compiles kernels, builds per-model tables
+    opt.step()
+    torch.cuda.synchronize()
+    batch = lean.pack(_docs(rng, model.config.vocab, 200, mean=30), max_tokens=256, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora.zero_grad()
+        loss, _ = lean.forward_backward(model, lora, batch)
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).all()
+
+
+# aten ops that only allocate, view, copy or fill: what a tensor container does.
+CONTAINER_OPS = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+    "view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "permute", "reshape",
+    "unsqueeze", "squeeze", "expand", "alias", "detach", "unbind", "split", "narrow",
+    "copy_", "fill_", "zero_", "clone", "_to_copy", "lift_fresh", "_pin_memory", "is_pinned",
+    "contiguous", "set_", "resize_", "_local_scalar_dense",
+}
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_step_dispatches_no_torch_compute_op():
+    """Record every aten op the step dispatches: only allocation, views, copies and fills."""
+    hf = build_hf("qwen2", 1)
+    cfg = tiny_config("qwen2").to_dict() | {"architectures": ["Qwen2ForCausalLM"]}
+    model = lean.model_from_tensors(cfg, hf.state_dict(), dtype=torch.float32, device=DEVICE)
+    lora = lean.LoRA.init(model, r=4, alpha=8, dropout=0.1, seed=0)
+    opt = lean.AdamW(lora, lr=1e-3)
+    batch = lean.pack([[1, 2, 3, 4, 5], [6, 7, 8]], max_tokens=16, device=DEVICE)
+    with OpRecorder() as rec:
+        lora.zero_grad()
+        lean.forward_backward(model, lora, batch)
+        opt.step()
+    compute = sorted(set(rec.ops) - CONTAINER_OPS)
+    assert rec.ops, "the recorder saw nothing: the test would be vacuous"
+    assert not compute, f"torch did compute inside the step: {compute}"

@@ -1,0 +1,796 @@
+"""Benchmarks: lean's kernels against the best torch path on the same inputs, in physical units.
+
+    python tools/bench.py kernels                  # on the H100, bf16: every kernel
+    python tools/bench.py kernels --only attention,lora --json out/bench.json
+    python tools/bench.py kernels --smoke          # CPU: interpreter, tiny sizes, no timings
+    python tools/bench.py step                     # (later) one training step
+
+How a number is taken:
+  * time = median of triton.testing.do_bench(fn, warmup, rep) (it flushes L2 between calls);
+    lean and torch run on the same random inputs (fixed seed, never zeros).
+  * torch/lean > 1 means lean is faster.
+  * floor = max(FLOPs / matmul rate, bytes / copy bandwidth), both measured at the start of the
+    run: an 8192^3 bf16 torch matmul on random data, and a 1 GiB device-to-device copy counting
+    read + write bytes. %floor = floor / lean time. FLOPs are the useful ones (causal attention
+    counts the lower triangle only); bytes are the minimum each op must move.
+  * err = max|lean - torch| / max|torch| over the op's outputs: a sanity check that the timed
+    call computes the same thing, not the accuracy test (tests/ do that).
+
+Shape legend: N tokens in the packed batch, C hidden, H/KVH heads, D head dim, F MLP hidden,
+V vocab, R LoRA rank, K/O a projection's in/out features.
+"""
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Model shapes the kernels serve (HF config.json values).
+MODELS = {
+    #             C     H   KVH  D    F     V
+    "qwen3-0.6b": (1024, 16, 8, 128, 3072, 151936),
+    "llama3.2-1b": (2048, 32, 8, 64, 8192, 128256),
+}
+N_TOKENS = 8192  # packed tokens per micro-batch
+LORA_R = 16
+LORA_SCALE = 2.0  # alpha / R = 32 / 16
+ADAMW_P = 20_000_000  # trainable LoRA parameters in the optimizer benchmark
+# do_bench budget per measurement (ms). Moderate so the whole GPU check stays under 8 minutes.
+WARMUP_MS, REP_MS = 25, 100
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    lean_ms: float = None
+    rate: float = None  # lean TFLOP/s or GB/s
+    unit: str = ""
+    baseline: str = ""
+    torch_ms: float = None
+    ratio: float = None  # torch_ms / lean_ms, > 1 = lean faster
+    floor_ms: float = None
+    pct_floor: float = None
+    err: float = None
+    note: str = ""
+
+
+class Bench:
+    """Run-wide state: device, dtype, the measured machine rates, and the rows so far."""
+
+    def __init__(self, smoke):
+        self.smoke = smoke
+        self.device = "cpu" if smoke else "cuda"
+        self.dtype = torch.float32 if smoke else torch.bfloat16  # interpreter: bf16 tl.dot is wrong
+        self.rows = []
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(1234)
+        self.matmul_flops = None  # FLOP/s
+        self.copy_bw = None  # B/s
+
+    # -- inputs and timing -------------------------------------------------------------------
+    def randn(self, *shape, scale=1.0, dtype=None):
+        t = torch.randn(*shape, generator=self.gen, device=self.device, dtype=torch.float32)
+        return (t * scale).to(dtype or self.dtype)
+
+    def randint(self, high, *shape, dtype=torch.int64):
+        return torch.randint(0, high, shape, generator=self.gen, device=self.device, dtype=dtype)
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def time(self, fn):
+        """Median ms of fn; in smoke mode fn runs once and no time is claimed."""
+        if self.smoke:
+            fn()
+            return None
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    def measure_machine(self):
+        """The two rates the floor is built from, measured here rather than taken from a sheet."""
+        n = 256 if self.smoke else 8192
+        a, b = self.randn(n, n), self.randn(n, n)
+        c = torch.empty(n, n, device=self.device, dtype=self.dtype)
+        ms = self.time(lambda: torch.mm(a, b, out=c))
+        ms = ms if ms is not None else self._wall_ms(lambda: torch.mm(a, b, out=c))
+        self.matmul_flops = 2 * n**3 / (ms * 1e-3)
+        elems = (1 << 20) if self.smoke else (1 << 29)  # 1 GiB of bf16
+        src = self.randn(elems)
+        dst = torch.empty_like(src)
+        ms = self.time(lambda: dst.copy_(src))
+        ms = ms if ms is not None else self._wall_ms(lambda: dst.copy_(src))
+        self.copy_bw = 2 * src.numel() * src.element_size() / (ms * 1e-3)
+        del a, b, c, src, dst
+        tag = " (smoke: CPU wall clock, meaningless)" if self.smoke else ""
+        print(f"# matmul {n}^3 {str(self.dtype)[6:]}: {self.matmul_flops / 1e12:.1f} TFLOP/s; "
+              f"d2d copy: {self.copy_bw / 1e9:.0f} GB/s (read+write){tag}")
+
+    def _wall_ms(self, fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    # -- rows ----------------------------------------------------------------------------------
+    def add(self, kernel, shape, lean_ms, *, flops=0.0, bytes_=0.0, torch_ms=None, baseline="",
+            err=None, note=""):
+        r = Row(kernel, shape, lean_ms, baseline=baseline, torch_ms=torch_ms, err=err, note=note)
+        t_flop, t_byte = flops / self.matmul_flops, bytes_ / self.copy_bw
+        r.floor_ms = max(t_flop, t_byte) * 1e3
+        r.unit = "TFLOP/s" if t_flop >= t_byte else "GB/s"
+        if lean_ms:
+            r.rate = (flops / 1e12 if r.unit == "TFLOP/s" else bytes_ / 1e9) / (lean_ms * 1e-3)
+            r.pct_floor = 100.0 * r.floor_ms / lean_ms
+            if torch_ms:
+                r.ratio = torch_ms / lean_ms
+        self._keep(r)
+        return r
+
+    def skip(self, kernel, why):
+        self._keep(Row(kernel, "-", note=why))
+
+    def _keep(self, r):
+        """Record a row and print it at once, so a run cut short still leaves its numbers."""
+        self.rows.append(r)
+        print(f"row {r.kernel} | {r.shape} | lean {fmt(r.lean_ms, '.3f')} ms | {r.baseline or '-'} "
+              f"{fmt(r.torch_ms, '.3f')} ms | x{fmt(r.ratio, '.2f')} | {fmt(r.pct_floor, '.0f')}% floor | "
+              f"err {fmt(r.err, '.1e')} | {r.note}", flush=True)
+
+
+def rel_err(pairs):
+    """max over (lean, torch) pairs of max|lean - torch| / max|torch|."""
+    worst = 0.0
+    for out, ref in pairs:
+        o, r = out.detach().float(), ref.detach().float()
+        scale = r.abs().max().item() or 1.0
+        d = (o - r).abs().max().item()
+        worst = max(worst, d / scale if math.isfinite(d) else float("inf"))
+    return worst
+
+
+def lean_kernel(name):
+    """lean.kernels.<name>. Raises MissingKernel when its file does not exist (yet)."""
+    try:
+        return importlib.import_module(f"lean.kernels.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"lean.kernels.{name}":
+            raise MissingKernel(f"skipped: lean/kernels/{name}.py missing") from None
+        raise
+
+
+class MissingKernel(Exception):
+    pass
+
+
+def reference(name):
+    """tests/reference/<name>.py: the plain-torch references the tests use."""
+    if importlib.util.find_spec(f"tests.reference.{name}") is None:
+        raise ImportError(f"tests/reference/{name}.py missing")
+    return importlib.import_module(f"tests.reference.{name}")
+
+
+# =============================================================================================
+# attention: varlen causal flash attention vs torch SDPA (flash backend)
+# =============================================================================================
+def doc_lengths(n, mean, minimum, seed):
+    """Document lengths ~ exponential(mean), at least `minimum`, summing to exactly n (seeded)."""
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < n:
+        lens.append(max(minimum, int(rng.exponential(mean))))
+    lens[-1] -= sum(lens) - n
+    if lens[-1] < minimum and len(lens) > 1:  # too short a tail joins the previous document
+        tail = lens.pop()
+        lens[-1] += tail
+    return lens
+
+
+def sdpa_context(device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device == "cuda":
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+
+
+GQA_NATIVE = [True]  # flips to False if this torch's flash backend rejects enable_gqa
+
+
+def sdpa(q, k, v, scale):
+    """Causal SDPA on (B, H, T, D) / (B, KVH, T, D); GQA through enable_gqa (no K/V copies), or,
+    where the flash backend refuses that, K/V repeated per query head (the copy is then timed)."""
+    if GQA_NATIVE[0]:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        except RuntimeError:
+            GQA_NATIVE[0] = False
+            print("# sdpa: flash backend refused enable_gqa; repeating K/V per query head")
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def bench_attention(B):
+    mod = lean_kernel("attention")
+    n = 64 if B.smoke else N_TOKENS
+    configs = [(m, (H, KVH, D)) for m, (_C, H, KVH, D, _F, _V) in MODELS.items()]
+    if B.smoke:
+        configs = [("smoke", (4, 2, 16))]
+    cases = [("varlen", doc_lengths(n, 16 if B.smoke else 512, 4 if B.smoke else 16, seed=0)),
+             ("dense", [n // 4] * 4)]
+    for model, (H, KVH, D) in configs:
+        for case, lens in cases:
+            _guard(B, f"attention {model} {case}", _attention_case, B, mod, model, H, KVH, D, case, lens)
+
+
+def _attention_case(B, mod, model, H, KVH, D, case, lens):
+    n, dev = sum(lens), B.device
+    scale = 1.0 / math.sqrt(D)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+    max_seqlen = max(lens)
+    q, k, v = B.randn(n, H, D), B.randn(n, KVH, D), B.randn(n, KVH, D)  # (N, H, D), (N, KVH, D)
+    do = B.randn(n, H, D)
+    o, lse = torch.empty_like(q), torch.empty(H, n, device=dev, dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(H, n, device=dev, dtype=torch.float32)
+
+    def lean_fwd():
+        mod.attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale)
+
+    def lean_fwd_bwd():
+        mod.attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale)
+        mod.attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale)
+
+    # torch path 1: SDPA per document, each document its own (1, H, L, D) leaf tensor (no packing
+    # cost charged to torch). Path 2: one padded (B, H, Lmax, D) batch (padding at the end of
+    # each document is harmless under the causal mask, but its work is paid).
+    bounds = list(zip(np.cumsum([0] + lens[:-1]), np.cumsum(lens)))
+
+    def per_doc(t):
+        return [t[s:e].transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for s, e in bounds]
+
+    dq_docs, dk_docs, dv_docs, do_docs = per_doc(q), per_doc(k), per_doc(v), per_doc(do)
+    pad = lambda t, heads: _padded(t, bounds, max_seqlen, heads)  # noqa: E731
+    qp, kp, vp, dop = pad(q, H), pad(k, KVH), pad(v, KVH), pad(do, H)
+
+    def docs_fwd():
+        return [sdpa(a, b, c, scale) for a, b, c in zip(dq_docs, dk_docs, dv_docs)]
+
+    def docs_fwd_bwd():
+        outs = docs_fwd()
+        return torch.autograd.grad(outs, dq_docs + dk_docs + dv_docs, do_docs)
+
+    def padded_fwd():
+        return sdpa(qp, kp, vp, scale)
+
+    def padded_fwd_bwd():
+        return torch.autograd.grad(padded_fwd(), (qp, kp, vp), dop)
+
+    flops_fwd = 2.0 * H * D * sum(L * L for L in lens)  # QK^T + PV, causal half: 2 * 2*L*L*D / 2
+    qb, kb = q.numel() * q.element_size(), k.numel() * k.element_size()
+    bytes_fwd, bytes_fwd_bwd = 2 * qb + 2 * kb, 6 * qb + 6 * kb  # bwd: q,o,do,dq + k,v,dk,dv
+    docs = f"{len(lens)} docs max {max_seqlen}" if case == "varlen" else f"{len(lens)}x{max_seqlen}"
+    shape = f"{model} H{H}/{KVH} D{D} N{n} {case} {docs}"
+    with sdpa_context(B.device):
+        # sanity: lean vs per-document SDPA (exactly the same math)
+        lean_fwd_bwd()
+        B.sync()
+        outs = docs_fwd()
+        grads = torch.autograd.grad(outs, dq_docs + dk_docs + dv_docs, do_docs)
+        nd = len(lens)
+        unpack = lambda ts: torch.cat([t[0].transpose(0, 1) for t in ts])  # noqa: E731
+        err_f = rel_err([(o, unpack(outs))])
+        err_b = rel_err([(o, unpack(outs)), (dq, unpack(grads[:nd])), (dk, unpack(grads[nd:2 * nd])),
+                         (dv, unpack(grads[2 * nd:]))])
+        del outs, grads
+        for direction, lean_fn, paths, flops, nbytes, err in (
+            ("fwd", lean_fwd, [("per-doc", docs_fwd), ("padded", padded_fwd)], flops_fwd, bytes_fwd, err_f),
+            ("fwd+bwd", lean_fwd_bwd, [("per-doc", docs_fwd_bwd), ("padded", padded_fwd_bwd)],
+             3.5 * flops_fwd, bytes_fwd_bwd, err_b),  # bwd = 5 matmuls vs fwd's 2
+        ):
+            if case == "dense":
+                paths = paths[1:]  # equal lengths: the padded batch is the dense (B, H, T, D) call
+            lean_ms = B.time(lean_fn)
+            timed = [(name, B.time(fn)) for name, fn in paths]
+            best = min(timed, key=lambda p: p[1] if p[1] is not None else 0.0)
+            note = " ".join(f"{nm} {t:.3f}ms" for nm, t in timed if t is not None and nm != best[0])
+            if not GQA_NATIVE[0]:
+                note += " K/V repeated"
+            B.add(f"attention {direction}", shape, lean_ms, flops=flops, bytes_=nbytes, torch_ms=best[1],
+                  baseline=f"SDPA-flash {best[0]}", err=err, note=note)
+
+
+def _padded(t, bounds, lmax, heads):
+    """(N, heads, D) packed -> (B, heads, Lmax, D) zero-padded leaf; padding is never attended by
+    real rows under the causal mask (it sits after each document)."""
+    out = torch.zeros(len(bounds), heads, lmax, t.shape[-1], device=t.device, dtype=t.dtype)
+    for i, (s, e) in enumerate(bounds):
+        out[i, :, : e - s] = t[s:e].transpose(0, 1)
+    return out.requires_grad_()
+
+
+# =============================================================================================
+# LoRA linear: y = x W^T + s (x A^T) B^T fused, vs cuBLAS base alone and base + LoRA GEMMs + add
+# =============================================================================================
+def projection_shapes():
+    """Distinct (K, O) projection shapes per model, with the projections that share each."""
+    out = []
+    for model, (C, H, KVH, D, Fh, _V) in MODELS.items():
+        shapes = {}
+        for name, ko in (("q", (C, H * D)), ("k", (C, KVH * D)), ("v", (C, KVH * D)),
+                         ("o", (H * D, C)), ("gate", (C, Fh)), ("up", (C, Fh)), ("down", (Fh, C))):
+            shapes.setdefault(ko, []).append(name)
+        out += [(f"{model} {','.join(names)}", K, O) for (K, O), names in shapes.items()]
+    return out
+
+
+def bench_lora_linear(B):
+    mod = lean_kernel("lora_linear")
+    n, R, s = (37 if B.smoke else N_TOKENS), (4 if B.smoke else LORA_R), LORA_SCALE
+    shapes = [("smoke", 48, 80)] if B.smoke else projection_shapes()
+    for label, K, O in shapes:
+        _guard(B, f"lora_linear {label}", _lora_case, B, mod, label, n, K, O, R, s)
+
+
+def _lora_case(B, mod, label, n, K, O, R, s):
+    dev, dt = B.device, B.dtype
+    x, w = B.randn(n, K), B.randn(O, K, scale=K**-0.5)  # (N, K), (O, K)
+    a, b = B.randn(R, K, scale=K**-0.5), B.randn(O, R, scale=R**-0.5)  # (R, K), (O, R)
+    dy = B.randn(n, O)  # (N, O)
+    y, xa = torch.empty(n, O, device=dev, dtype=dt), torch.empty(n, R, device=dev, dtype=dt)
+    dx = torch.empty(n, K, device=dev, dtype=dt)
+    da, db = torch.zeros(R, K, device=dev), torch.zeros(O, R, device=dev)  # fp32, accumulated +=
+    ty, txa, tdx, tdxa = torch.empty_like(y), torch.empty_like(xa), torch.empty_like(dx), torch.empty_like(xa)
+    tda, tdb = torch.zeros_like(da), torch.zeros_like(db)
+
+    lean_fwd = lambda: mod.lora_linear_fwd(y, xa, x, w, a, b, s)  # noqa: E731
+    lean_bwd = lambda: mod.lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, s)  # noqa: E731
+
+    def base_fwd():
+        torch.mm(x, w.t(), out=ty)
+
+    def lora_fwd():
+        torch.mm(x, w.t(), out=ty)
+        torch.mm(x, a.t(), out=txa)
+        ty.addmm_(txa, b.t(), alpha=s)
+
+    def base_bwd():
+        torch.mm(dy, w, out=tdx)
+
+    def lora_bwd():  # dxa = dy B; dx = dy W + s dxa A; dB += s dy^T xa; dA += s dxa^T x
+        torch.mm(dy, w, out=tdx)
+        torch.mm(dy, b, out=tdxa)
+        tdx.addmm_(tdxa, a, alpha=s)
+        tdb.add_(torch.mm(dy.t(), txa), alpha=s)
+        tda.add_(torch.mm(tdxa.t(), x), alpha=s)
+
+    # sanity: one call each from zeroed accumulators
+    lean_fwd(), lora_fwd(), lean_bwd(), lora_bwd()
+    B.sync()
+    err_f = rel_err([(y, ty), (xa, txa)])
+    err_b = rel_err([(dx, tdx), (da, tda), (db, tdb)])
+
+    shape = f"{label} N{n} K{K} O{O} R{R}"
+    flops_base = 2.0 * n * K * O
+    fwd_flops = flops_base + 2.0 * n * R * (K + O)
+    bwd_flops = flops_base + 4.0 * n * R * (K + O)
+    e = x.element_size()
+    fwd_bytes = e * (n * K + O * K + n * O + n * R)
+    bwd_bytes = e * (n * O + O * K + n * K + n * K + n * R)
+    for direction, lean_fn, fl, by, err, base, full in (
+        ("fwd", lean_fwd, fwd_flops, fwd_bytes, err_f, base_fwd, lora_fwd),
+        ("bwd", lean_bwd, bwd_flops, bwd_bytes, err_b, base_bwd, lora_bwd),
+    ):
+        lean_ms = B.time(lean_fn)
+        B.add(f"lora_linear {direction}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=B.time(base),
+              baseline="cuBLAS base", err=err)
+        B.add(f"lora_linear {direction}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=B.time(full),
+              baseline="cuBLAS base+LoRA", err=err)
+
+
+def bench_gemm(B):
+    """The plain matmul behind frozen projections: y = x W^T vs cuBLAS (torch.mm), same views."""
+    mod = lean_kernel("gemm")
+    n = 37 if B.smoke else N_TOKENS
+    shapes = [("smoke", 48, 80)] if B.smoke else [("square", n, n)] + projection_shapes()
+    for label, K, O in shapes:
+        _guard(B, f"gemm {label}", _gemm_case, B, mod, label, n, K, O)
+
+
+def _gemm_case(B, mod, label, n, K, O):
+    x, w = B.randn(n, K), B.randn(O, K, scale=K**-0.5)  # (N, K), (O, K)
+    y, ty = (torch.empty(n, O, device=B.device, dtype=B.dtype) for _ in range(2))  # (N, O)
+    lean_fn = lambda: mod.matmul(y, x, w.t())  # noqa: E731
+    torch_fn = lambda: torch.mm(x, w.t(), out=ty)  # noqa: E731
+    lean_fn(), torch_fn()
+    B.sync()
+    B.add("gemm x@W^T", f"{label} M{n} K{K} N{O}", B.time(lean_fn), flops=2.0 * n * K * O,
+          bytes_=x.element_size() * (n * K + K * O + n * O), torch_ms=B.time(torch_fn),
+          baseline="cuBLAS", err=rel_err([(y, ty)]))
+
+
+# =============================================================================================
+# memory-bound ops vs torch eager: rmsnorm (+residual), rope, swiglu, embedding
+# =============================================================================================
+def _bench_eager(B, kernel, lean_fn, torch_fn, nbytes, shape, err, note=""):
+    B.add(kernel, shape, B.time(lean_fn), bytes_=nbytes, torch_ms=B.time(torch_fn),
+          baseline="eager", err=err, note=note)
+
+
+def _models(B):
+    if B.smoke:
+        return [("smoke", (48, 4, 2, 16, 80, 101))], 37
+    return list(MODELS.items()), N_TOKENS
+
+
+def _guard(B, kernel, fn, *args):
+    """Run one case; an error becomes a row (and a traceback in the log), never the end of the run."""
+    try:
+        fn(*args)
+    except Exception as e:
+        B.skip(kernel, f"error: {type(e).__name__}: {str(e)[:120]}")
+        traceback.print_exc()
+
+
+def bench_rmsnorm(B):
+    mod = lean_kernel("rmsnorm")
+    models, n = _models(B)
+    for model, (C, *_rest) in models:
+        _guard(B, f"rmsnorm {model}", _rmsnorm_case, B, mod, model, n, C)
+
+
+def _rmsnorm_case(B, mod, model, n, C):
+    dev, dt, eps = B.device, B.dtype, 1e-6
+    x, res, w = B.randn(n, C), B.randn(n, C), B.randn(C, scale=0.1) + 1.0  # (N, C), (N, C), (C,)
+    dy, dres = B.randn(n, C), B.randn(n, C)
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    rstd = torch.empty(n, device=dev, dtype=torch.float32)  # (N,)
+    dx = torch.empty_like(x)
+
+    lean_fwd = lambda: mod.rmsnorm_fwd(y, rstd, x, w, eps, residual=res, h=h)  # noqa: E731
+    lean_bwd = lambda: mod.rmsnorm_bwd(dx, None, dy, h, w, rstd, dresidual=dres)  # noqa: E731
+
+    ref = reference("rmsnorm")  # tests/reference/rmsnorm.py: HF's eager recipe
+
+    xg, resg = x.clone().requires_grad_(), res.clone().requires_grad_()
+    ty, th, _ = ref.rmsnorm_ref(xg, w, eps, residual=resg)
+    # gradient of the residual stream: dh = dresidual + the norm's backward of dy
+    torch_bwd = lambda: torch.autograd.grad((ty, th), (xg,), (dy, dres), retain_graph=True)  # noqa: E731
+    torch_fwd = lambda: _no_grad(lambda: ref.rmsnorm_ref(x, w, eps, residual=res))  # noqa: E731
+    lean_fwd(), lean_bwd()
+    B.sync()
+    err_f = rel_err([(y, ty), (h, th)])
+    err_b = rel_err([(dx, torch_bwd()[0])])
+    e, shape = x.element_size(), f"{model} N{n} C{C} +residual"
+    _bench_eager(B, "rmsnorm fwd", lean_fwd, torch_fwd, e * 4 * n * C + 4 * n, shape, err_f)
+    _bench_eager(B, "rmsnorm bwd", lean_bwd, torch_bwd, e * 4 * n * C + 4 * n, shape, err_b,
+                 note="dw=None (frozen)")
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _rotate_half(t):
+    t1, t2 = t.chunk(2, dim=-1)
+    return torch.cat((-t2, t1), dim=-1)
+
+
+def bench_rope(B):
+    mod = lean_kernel("rope")
+    models, n = _models(B)
+    for model, (C, H, KVH, D, *_rest) in models:
+        _guard(B, f"rope {model}", _rope_case, B, mod, model, n, H, KVH, D)
+
+
+def _rope_case(B, mod, model, n, H, KVH, D):
+    ref = reference("rope")  # tests/reference/rope.py: HF's recipe, for the sanity check
+    dev, dt = B.device, B.dtype
+    pos = torch.arange(n, device=dev, dtype=torch.float32) % 2048  # packed positions restart per doc
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+    ang = pos[:, None] * inv_freq[None]  # (N, D/2)
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()  # (N, D/2) fp32: lean's tables
+    q0, k0 = B.randn(n, H, D), B.randn(n, KVH, D)  # (N, H, D), (N, KVH, D)
+    q, k = q0.clone(), k0.clone()
+
+    # torch eager as HF runs it per layer: (N, 1, D) tables in the activation dtype, built once per
+    # batch, then apply_rotary_pos_emb (out of place); its backward is autograd's.
+    cos_hf = torch.cat([cos, cos], -1)[:, None].to(dt)  # (N, 1, D)
+    sin_hf = torch.cat([sin, sin], -1)[:, None].to(dt)
+    eager = lambda x: x * cos_hf + _rotate_half(x) * sin_hf  # noqa: E731
+    torch_fwd = lambda: _no_grad(lambda: (eager(q0), eager(k0)))  # noqa: E731
+    qg, kg = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+    tq, tk = eager(qg), eager(kg)
+    torch_bwd = lambda: torch.autograd.grad((tq, tk), (qg, kg), (q0, k0), retain_graph=True)  # noqa: E731
+
+    # sanity from fresh copies (lean works in place): fwd vs the reference, bwd vs autograd
+    mod.rope_fwd(q, k, cos, sin)
+    err_f = rel_err([(q, ref.rope_ref(q0, cos, sin)), (k, ref.rope_ref(k0, cos, sin))])
+    q.copy_(q0), k.copy_(k0)
+    mod.rope_bwd(q, k, cos, sin)  # the incoming gradients are q0, k0
+    err_b = rel_err(zip((q, k), torch_bwd()))
+    B.sync()
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * 4
+    shape = f"{model} N{n} H{H}/{KVH} D{D} in place"
+    # in place: repeated calls keep rotating the same buffers (norm-preserving)
+    _bench_eager(B, "rope fwd", lambda: mod.rope_fwd(q, k, cos, sin), torch_fwd, nbytes, shape, err_f)
+    _bench_eager(B, "rope bwd", lambda: mod.rope_bwd(q, k, cos, sin), torch_bwd, nbytes, shape, err_b)
+
+
+def bench_swiglu(B):
+    mod = lean_kernel("swiglu")
+    models, n = _models(B)
+    for model, (C, H, KVH, D, Fh, _V) in models:
+        _guard(B, f"swiglu {model}", _swiglu_case, B, mod, model, n, Fh)
+
+
+def _swiglu_case(B, mod, model, n, Fh):
+    g, u, dh = B.randn(n, Fh, scale=2.0), B.randn(n, Fh), B.randn(n, Fh)  # (N, F) each
+    h, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+    lean_fwd = lambda: mod.swiglu_fwd(h, g, u)  # noqa: E731
+    lean_bwd = lambda: mod.swiglu_bwd(dg, du, dh, g, u)  # noqa: E731
+    ref = reference("swiglu")  # tests/reference/swiglu.py: F.silu(g) * u, torch eager
+    gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
+    th = ref.swiglu_ref(gg, ug)
+    torch_bwd = lambda: torch.autograd.grad(th, (gg, ug), dh, retain_graph=True)  # noqa: E731
+    lean_fwd(), lean_bwd()
+    B.sync()
+    tdg, tdu = torch_bwd()
+    err_f, err_b = rel_err([(h, th)]), rel_err([(dg, tdg), (du, tdu)])
+    e, shape = g.element_size(), f"{model} N{n} F{Fh}"
+    torch_fwd = lambda: _no_grad(lambda: ref.swiglu_ref(g, u))  # noqa: E731
+    _bench_eager(B, "swiglu fwd", lean_fwd, torch_fwd, e * 3 * n * Fh, shape, err_f)
+    _bench_eager(B, "swiglu bwd", lean_bwd, torch_bwd, e * 5 * n * Fh, shape, err_b)
+
+
+def bench_embedding(B):
+    mod = lean_kernel("embedding")
+    models, n = _models(B)
+    for model, (C, H, KVH, D, Fh, V) in models:
+        _guard(B, f"embedding {model}", _embedding_case, B, mod, model, n, C, V)
+
+
+def _embedding_case(B, mod, model, n, C, V):
+    table, ids = B.randn(V, C), B.randint(V, n, dtype=torch.int32)  # (V, C), (N,)
+    out = torch.empty(n, C, device=B.device, dtype=B.dtype)  # (N, C)
+    ids64 = ids.long()
+    lean_fn = lambda: mod.embedding_fwd(out, ids, table)  # noqa: E731
+    torch_fn = lambda: F.embedding(ids64, table)  # noqa: E731
+    lean_fn()
+    B.sync()
+    err = rel_err([(out, torch_fn())])
+    nbytes = 2 * n * C * table.element_size() + 4 * n  # gathered rows in, out, ids
+    _bench_eager(B, "embedding fwd", lean_fn, torch_fn, nbytes, f"{model} N{n} V{V} C{C}", err)
+
+
+# =============================================================================================
+# fused linear + cross-entropy vs Liger (time and peak memory)
+# =============================================================================================
+def bench_linear_ce(B):
+    mod = lean_kernel("linear_ce")
+    cases = [("smoke", 37, 48, 301)] if B.smoke else [
+        (model, N_TOKENS, C, V) for model, (C, _H, _KVH, _D, _F, V) in MODELS.items()]
+    for model, n, C, V in cases:
+        _guard(B, f"linear_ce {model}", _linear_ce_case, B, mod, model, n, C, V)
+
+
+def _peak_mib(B, fn):
+    """Peak memory allocated while fn runs, above what was allocated before (MiB)."""
+    if B.device != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _linear_ce_case(B, mod, model, n, C, V):
+    dev = B.device
+    h, w = B.randn(n, C), B.randn(V, C, scale=C**-0.5)  # (N, C), (V, C) frozen lm_head
+    targets = B.randint(V, n)  # (N,) int64
+    targets[B.randint(10, n) == 0] = -100  # ~10% ignored (prompt tokens)
+    count = int((targets != -100).sum())  # bench setup, not a launcher: host value is fine
+    loss = torch.empty(2, device=dev, dtype=torch.float32)  # [sum, count]
+    dh = torch.empty_like(h)  # (N, C)
+
+    def lean_fn():  # loss and dh are written with `=`
+        mod.linear_ce_fwd_bwd(loss, dh, h, w, targets, grad_scale=1.0 / count, ignore_index=-100)
+
+    lean_fn()  # compile outside the memory measurement
+    lean_mem = _peak_mib(B, lean_fn)
+    lean_loss, lean_dh = (loss[0] / loss[1]).clone(), dh.clone()
+    flops = 4.0 * n * C * V  # logits + dh = dlogits @ W (W frozen: no dW)
+    nbytes = h.element_size() * (2 * n * C + V * C)
+    shape = f"{model} N{n} C{C} V{V}"
+    lean_ms = B.time(lean_fn)
+    mem = f"peak +{lean_mem:.0f} MiB" if lean_mem is not None else ""
+
+    def lean_only(why):  # no peer: at least check lean against the chunked fp32 reference
+        ref_loss, ref_count, ref_dh = reference("linear_ce").linear_ce_chunked_ref(
+            h, w, targets, grad_scale=1.0 / count, ignore_index=-100)
+        err = rel_err([(lean_loss.reshape(1), (ref_loss / ref_count).reshape(1)), (lean_dh, ref_dh)])
+        B.add("linear_ce fwd+bwd", shape, lean_ms, flops=flops, bytes_=nbytes, err=err,
+              note="; ".join(x for x in (mem, why) if x))
+
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return lean_only("Liger skipped: liger-kernel not installed")
+    try:
+        flce = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")
+        hg = h.clone().requires_grad_()  # w stays frozen: Liger computes no dW, as lean
+
+        def liger_fn():  # Liger does the whole backward inside its forward
+            return torch.autograd.grad(flce(w, hg, targets), (hg,))
+
+        liger_fn()
+        liger_mem = _peak_mib(B, liger_fn)  # includes its returned dh (N, C); lean's dh is preallocated
+        with torch.no_grad():
+            liger_loss = flce(w, h, targets)
+        err = rel_err([(lean_loss.reshape(1), liger_loss.reshape(1)), (lean_dh, liger_fn()[0])])
+        liger_ms = B.time(liger_fn)
+    except Exception as e:
+        traceback.print_exc()
+        return lean_only(f"Liger failed: {type(e).__name__}: {str(e)[:60]}")
+    if liger_mem is not None:
+        mem = f"peak +{lean_mem:.0f} vs +{liger_mem:.0f} MiB"
+    B.add("linear_ce fwd+bwd", shape, lean_ms, flops=flops, bytes_=nbytes, torch_ms=liger_ms,
+          baseline="Liger FLCE", err=err, note=mem)
+
+
+# =============================================================================================
+# AdamW over ~20M LoRA parameters vs torch.optim.AdamW(fused=True)
+# =============================================================================================
+def bench_adamw(B):
+    mod = lean_kernel("adamw")
+    _guard(B, "adamw", _adamw_case, B, mod)
+
+
+def _adamw_case(B, mod):
+    """One flat fp32 buffer of P LoRA parameters (lean's layout); torch steps the same flat buffer
+    as one parameter, which is its fastest path (one multi-tensor launch)."""
+    dev, P = B.device, (1000 if B.smoke else ADAMW_P)
+    hp = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    lr, clip = 1e-4, 1.0
+    params, grads = B.randn(P, scale=0.02, dtype=torch.float32), B.randn(P, scale=1e-3, dtype=torch.float32)
+    m, v = torch.zeros_like(params), torch.zeros_like(params)  # (P,) fp32 moments
+    grad_norm = torch.empty(1, device=dev, dtype=torch.float32)
+    hyper = torch.tensor([lr, 1.0], device=dev, dtype=torch.float32)  # [lr, t]
+    tp = torch.nn.Parameter(params.clone())
+    tp.grad = grads.clone()
+    opt = torch.optim.AdamW([tp], lr=lr, betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], fused=True)
+
+    def lean_fn(max_grad_norm):
+        mod.adamw_step(params, m, v, grad_norm, grads, hyper, max_grad_norm=max_grad_norm, **hp)
+
+    def torch_clip_step():
+        torch.nn.utils.clip_grad_norm_([tp], clip, foreach=True)
+        opt.step()
+
+    lean_fn(clip)
+    torch_clip_step()  # grads are clipped in place in tp.grad only
+    B.sync()
+    err = rel_err([(params, tp.detach()), (m, opt.state[tp]["exp_avg"]), (v, opt.state[tp]["exp_avg_sq"])])
+    shape = f"P={P / 1e6:g}M fp32 flat"
+    # bytes: p, m, v read + written, g read; lean also reads g once more for the norm it always writes
+    B.add("adamw step", shape, B.time(lambda: lean_fn(None)), bytes_=32.0 * P, torch_ms=B.time(opt.step),
+          baseline="AdamW fused", err=err, note="lean also writes grad_norm")
+    B.add("adamw step", shape + " clip", B.time(lambda: lean_fn(clip)), bytes_=32.0 * P,
+          torch_ms=B.time(torch_clip_step), baseline="clip+AdamW fused", err=err)
+
+
+# =============================================================================================
+KERNELS = {
+    "attention": bench_attention,
+    "gemm": bench_gemm,
+    "lora_linear": bench_lora_linear,
+    "rmsnorm": bench_rmsnorm,
+    "rope": bench_rope,
+    "swiglu": bench_swiglu,
+    "embedding": bench_embedding,
+    "linear_ce": bench_linear_ce,
+    "adamw": bench_adamw,
+}
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows, smoke):
+    cols = [("kernel", lambda r: r.kernel), ("shape", lambda r: r.shape),
+            ("lean ms", lambda r: fmt(r.lean_ms, ".3f")),
+            ("lean rate", lambda r: f"{r.rate:.1f} {r.unit}" if r.rate is not None else "-"),
+            ("torch path", lambda r: r.baseline or "-"), ("torch ms", lambda r: fmt(r.torch_ms, ".3f")),
+            ("torch/lean", lambda r: fmt(r.ratio, ".2f")), ("floor ms", lambda r: fmt(r.floor_ms, ".3f")),
+            ("%floor", lambda r: fmt(r.pct_floor, ".0f")), ("err", lambda r: fmt(r.err, ".1e")),
+            ("note", lambda r: r.note)]
+    if smoke:  # no timing claims from the interpreter
+        cols = [c for c in cols if c[0] in ("kernel", "shape", "torch path", "err", "note")]
+    cells = [[name for name, _ in cols]]
+    for i, r in enumerate(rows):
+        line = [f(r) for _, f in cols]
+        if i and (r.kernel, r.shape) == (rows[i - 1].kernel, rows[i - 1].shape):
+            line[0], line[1] = "", '"'  # a second baseline for the same lean measurement
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    banner = "SMOKE (CPU interpreter, tiny sizes): checks the harness runs; no timings.\n" if smoke else ""
+    print("\n" + banner)
+    for i, line in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(path, B, dev):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": dev, "dtype": str(B.dtype), "smoke": B.smoke, "torch": torch.__version__,
+                   "matmul_tflops": B.matmul_flops / 1e12, "copy_gbps": B.copy_bw / 1e9,
+                   "rows": [asdict(r) for r in B.rows]}, f, indent=1)
+
+
+def cmd_kernels(args):
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench kernels: no CUDA GPU here; use --smoke for the CPU harness check")
+    B = Bench(args.smoke)
+    dev = "CPU (interpreter)" if args.smoke else torch.cuda.get_device_name()
+    print(f"# lean kernel bench on {dev}, {B.dtype}; torch {torch.__version__}")
+    B.measure_machine()
+    only = [s for s in (args.only or "").split(",") if s]
+    for name, fn in KERNELS.items():
+        if only and not any(s in name for s in only):
+            continue
+        t0 = time.perf_counter()
+        try:
+            fn(B)
+        except MissingKernel as e:
+            B.skip(name, str(e))
+        except Exception as e:  # an import error in a kernel file must not stop the others
+            B.skip(name, f"error: {type(e).__name__}: {str(e)[:120]}")
+            traceback.print_exc()
+        if B.device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"# {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.json:  # after every kernel, so a run cut short keeps what it measured
+            write_json(args.json, B, dev)
+    print_table(B.rows, args.smoke)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    k = sub.add_parser("kernels", help="every kernel against its best torch path")
+    k.add_argument("--only", help="comma-separated kernel names (substring match): " + ",".join(KERNELS))
+    k.add_argument("--json", help="write the rows to this path")
+    k.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, no timings")
+    sub.add_parser("step", help="one training step (not written yet)")
+    args = p.parse_args()
+    if args.mode == "step":
+        sys.exit("bench step: not written yet")
+    if args.smoke:  # before anything imports triton
+        os.environ["TRITON_INTERPRET"] = "1"
+    cmd_kernels(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -52,7 +52,9 @@ def check_against_reference(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_i
     if h.dtype == torch.float32:
         assert_close_rule(loss[:1], ref_loss.reshape(1), name="loss")
         if dh is not None:
-            assert_close_rule(dh, ref_dh, name="dh")
+            # dh sums V (up to 151,936) fp32 products per element: on the GPU the summation order
+            # alone moves it by ~1e-5 of max|dh| (seen: 1.25e-5 at V = 32000), hence 2e-5.
+            assert_close_rule(dh, ref_dh, rtol32=2e-5, name="dh")
         return
     low_loss, _, low_dh = linear_ce_ref(h, w, targets, **kw)
     assert_loss_rule(loss[0], ref_loss, low_loss, dtype=h.dtype)

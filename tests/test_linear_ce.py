@@ -52,9 +52,14 @@ def check_against_reference(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_i
     if h.dtype == torch.float32:
         assert_close_rule(loss[:1], ref_loss.reshape(1), name="loss")
         if dh is not None:
-            # dh sums V (up to 151,936) fp32 products per element: on the GPU the summation order
-            # alone moves it by ~1e-5 of max|dh| (seen: 1.25e-5 at V = 32000), hence 2e-5.
-            assert_close_rule(dh, ref_dh, rtol32=2e-5, name="dh")
+            if h.is_cuda and w.shape[0] >= 16384:
+                # dh sums V fp32 products per element: at V = 32000..151936 the summation order alone
+                # moves it by 1e-5..3e-5 of max|dh| (seen on the H100), so the rule is torch's own
+                # fp32 error, doubled, as for 16-bit results (1e-5 of max|dh| as the floor).
+                _, _, f32_dh = linear_ce_ref(h, w, targets, **kw)
+                assert_rule(dh, ref_dh, f32_dh, atol=1e-5 * ref_dh.abs().max().item(), name="dh")
+            else:
+                assert_close_rule(dh, ref_dh, name="dh")
         return
     low_loss, _, low_dh = linear_ce_ref(h, w, targets, **kw)
     assert_loss_rule(loss[0], ref_loss, low_loss, dtype=h.dtype)

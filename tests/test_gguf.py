@@ -151,10 +151,10 @@ def _llama_cpp_permute(w, n_heads):
 
 
 def write_fake_gguf(path, arch="llama", *, tied=False, pre="llama-bpe", extra=None, drop=()):
-    """A 2-layer llama GGUF (C=32, H=4, KVH=2, D=8, F=48) with fresh random weights; returns the HF
+    """A 2-layer llama GGUF (C=64, H=4, KVH=2, D=16, F=48) with fresh random weights; returns the HF
     state dict it encodes. F32 norms, F16 matmul weights (so the expected values are exact)."""
     rng = np.random.default_rng()
-    C, H, KVH, D, F, L = 32, 4, 2, 8, 48, 2
+    C, H, KVH, D, F, L = 64, 4, 2, 16, 48, 2
     tokens = _byte_alphabet() + ["Ġt", "he", "Ġthe", "<|begin|>", "<|end|>", "<think>"]
     types = [1] * (len(tokens) - 3) + [3, 3, 4]
     merges = ["Ġ t", "h e", "Ġt he"]

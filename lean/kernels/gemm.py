@@ -113,7 +113,9 @@ _KMAJOR_B = (256, 128, 64, 8, 3)  # b K-contiguous (x W^T), when its grid fills 
 _WIDE = (128, 256, 64, 8, 4)      # b row-major, and x W^T with few 256x128 tiles
 _SMALL = (64, 128, 64, 4, 4)      # outputs under half a wave of 128x256 tiles: untuned
 _FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
-_INTERPRET = (32, 32, 32, 4, 1)   # TRITON_INTERPRET=1: few, cheap programs for CPU tests
+_INTERPRET = (32, 32, 32, 4, 1)   # TRITON_INTERPRET=1: small tiles, so small test shapes span many
+_INTERPRET_BIG = (64, 256, 128, 4, 1)  # ... and big tiles for model-sized work: the interpreter's cost
+#   is per program, not per flop (a 40x49152x576 lm_head: 53.7 s at 32^3, 2.6 s at 64x256x64, CPU)
 GROUP_M = 8
 NUM_SMS = 132                     # H100 SXM
 
@@ -123,11 +125,17 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gemm_config(M, N, dtype, b_kmajor=False):
+def interpret_config(M, N, K):
+    """The interpreter's tiles: small for test shapes (many tiles, every edge exercised), big
+    for model-sized problems (>= 8M multiply-adds), which still span several tiles per dim."""
+    return _INTERPRET_BIG if M * N * K >= 2**23 else _INTERPRET
+
+
+def gemm_config(M, N, dtype, b_kmajor=False, K=0):
     """Pick (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an (M, N) output; b_kmajor:
     b's unit stride runs along K (b is a transposed row-major weight, as in x W^T)."""
     if interpreting():
-        return _INTERPRET
+        return interpret_config(M, N, K)
     if dtype == torch.float32:
         return _FP32
     if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= NUM_SMS:
@@ -157,7 +165,7 @@ def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
         check(bias, "bias", shape=(N,), dtype=(a.dtype, torch.float32), device=a.device, contiguous=True)
     if M == 0 or N == 0:
         return
-    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, b_kmajor=b.stride(0) == 1 and N > 1)
+    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, b_kmajor=b.stride(0) == 1 and N > 1, K=K)
     if max(a.stride(1), b.stride(0)) * BK >= 2**31:
         raise ValueError(f"matmul: K-stride {max(a.stride(1), b.stride(0))} too large for int32 "
                          "pointer steps (call .contiguous())")

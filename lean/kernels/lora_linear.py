@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import FLOATS, NUM_SMS, grouped_tile, interpreting, matmul
+from lean.kernels.gemm import FLOATS, NUM_SMS, grouped_tile, interpret_config, interpreting, matmul
 
 
 @triton.jit
@@ -263,22 +263,21 @@ _FWD = (128, 256, 64, 8, 4)
 _BWD = (128, 256, 64, 8, 3)
 _BWD_DROPOUT = (128, 128, 64, 8, 4)
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
-_INTERPRET = (32, 32, 32, 4, 1)
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
 _GRAD = (128, 64, 4, 3)         # da/db partials (BLOCK_P, BLOCK_T, num_warps, num_stages), untuned
 _REDUCE = 1024
 GROUP_M = 8
 
 
-def _fwd_config(N, O, dtype):
+def _fwd_config(N, O, dtype, K=0):
     if interpreting():
-        return _INTERPRET
+        return interpret_config(N, O, K)
     return _FP32 if dtype == torch.float32 else _FWD
 
 
-def _bwd_config(dtype, dropout=0.0):
+def _bwd_config(dtype, dropout=0.0, N=0, K=0, O=0):
     if interpreting():
-        return _INTERPRET
+        return interpret_config(N, K, O)
     if dtype == torch.float32:
         return _FP32
     return _BWD_DROPOUT if dropout > 0.0 else _BWD
@@ -326,7 +325,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
         _lora_xa_kernel[(triton.cdiv(N, BM),)](
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
-    BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype)
+    BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
     _lora_linear_fwd_kernel[grid](
         y, xa, x, w, a, b, bias if bias is not None else y,
@@ -360,7 +359,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
         a, b = a_pad, b_pad
 
     # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
-    BM, BN, BO, warps, stages = _bwd_config(dt, dropout)
+    BM, BN, BO, warps, stages = _bwd_config(dt, dropout, N, K, O)
     dyb = torch.empty((N, RP), device=dev, dtype=dt)                      # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
     _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](

@@ -132,13 +132,16 @@ def _rmsnorm_dw_kernel(
     tl.store(dw_ptr + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
-def _config(C):
+def _config(C, N=0):
     """(BLOCK_N, BLOCK_C, num_warps): a whole row per program, a few rows when rows are short
     (QK-norm, D = 64..256), about 16 elements per thread. Untuned: from experience with
     bandwidth-bound row kernels on Hopper (16-byte vectors, 2048-8192 elements per program).
     The interpreter uses the same tiles: its cost is per program and per op, not per element."""
     BLOCK_C = triton.next_power_of_2(C)
     BLOCK_N = max(1, min(32, 2048 // BLOCK_C))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # interpreter: cost per program, so about four programs per call (a tail when N is odd)
+        BLOCK_N = max(BLOCK_N, min(64, triton.next_power_of_2(triton.cdiv(N, 4))))
     num_warps = max(1, min(16, BLOCK_N * BLOCK_C // 512))
     return BLOCK_N, BLOCK_C, num_warps
 
@@ -172,7 +175,7 @@ def rmsnorm_fwd(y, rstd, x, w, eps, *, residual=None, h=None):
         raise TypeError(f"rmsnorm_fwd: eps must be a Python number (a tensor would sync), got {type(eps).__name__}")
     if N == 0:
         return
-    BLOCK_N, BLOCK_C, num_warps = _config(C)
+    BLOCK_N, BLOCK_C, num_warps = _config(C, N)
     has_res = residual is not None
     _rmsnorm_fwd_kernel[(triton.cdiv(N, BLOCK_N),)](
         y, h if has_res else y, rstd,
@@ -203,7 +206,7 @@ def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None):
         if dw is not None:
             dw.zero_()
         return
-    BLOCK_N, BLOCK_C, num_warps = _config(C)
+    BLOCK_N, BLOCK_C, num_warps = _config(C, N)
     blocks = triton.cdiv(N, BLOCK_N)
     if dw is None:
         P, part = blocks, dx                      # part unused (HAS_DW=False)

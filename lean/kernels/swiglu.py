@@ -21,6 +21,8 @@ Caution:
   - dg may be g and du may be u (each element is read before it is written, by the same
     program); h may be g or u. Partly overlapping views are not supported.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,9 @@ def _config(N, F):
     Hopper. The interpreter uses the same tiles: its cost is per program, not per element."""
     BLOCK_F = min(triton.next_power_of_2(F), 1024)
     BLOCK_N = max(1, min(32, 2048 // BLOCK_F))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # interpreter: cost per program, so about four row blocks per call (a tail when N is odd)
+        BLOCK_N = max(BLOCK_N, min(64, triton.next_power_of_2(triton.cdiv(N, 4))))
     num_warps = max(1, BLOCK_N * BLOCK_F // 512)
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(F, BLOCK_F))
     return grid, BLOCK_N, BLOCK_F, num_warps

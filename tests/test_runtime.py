@@ -177,11 +177,19 @@ def test_adapter_round_trip_with_peft(tmp_path, qwen3_dir):
     assert set(theirs) == set(ours)
     for k in ours:
         assert torch.equal(theirs[k].cpu(), ours[k].cpu()), k
-    # and back: PEFT saves, lean loads the same numbers
+    # transformers + PEFT with lean's saved adapter gives lean's logits
+    docs = [[3, 17, 5, 99, 42, 7, 8], [11, 12, 13]]
+    ours_logits = lean.forward(model, lora, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
+    with torch.no_grad():
+        ref = torch.cat([pm(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    assert (ours_logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # and back: PEFT saves, lean loads the same numbers and gives the same logits
     pm.save_pretrained(tmp_path / "theirs")
     back = lean.LoRA.load(model, tmp_path / "theirs")
     assert back.targets == lora.targets and back.r == 4 and back.scale == lora.scale
     assert torch.equal(back.params, lora.params)
+    back_logits = lean.forward(model, back, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
+    assert torch.equal(back_logits, ours_logits)
 
 
 def test_adapter_errors(tmp_path, qwen3_dir):

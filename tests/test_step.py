@@ -95,3 +95,24 @@ def test_forward_logits_match_hf(tmp_path):
     with torch.no_grad():
         ref = torch.cat([pm(input_ids=torch.tensor([d])).logits[0] for d in docs])
     assert _rel_max(logits, ref) <= 1e-5
+
+
+def test_activation_plan_table_matches_what_layers_save(tmp_path):
+    """The plan table names exactly the fields a layer saves, and its byte count is what they take."""
+    from lean.models.dense import Saved
+    from lean.runtime.plan import PLAN, layer_bytes
+    from lean.runtime.step import Tape, _forward_layers, make_ctx
+
+    assert [r.name for r in PLAN] == list(Saved._fields)
+    for arch in ("llama", "qwen3"):
+        _, model, lora = _lean_setup(tmp_path / arch, arch, 0, targets="q,v,down")
+        batch = lean.pack([[1, 2, 3, 4, 5], [6, 7]], max_tokens=8, device=DEVICE)
+        tape = Tape()
+        _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape)
+        saved = tape.records[0][1]
+        seen = {}
+        for name, t in saved._asdict().items():
+            for u in (t.values() if isinstance(t, dict) else [t]):
+                if u is not None:
+                    seen[u.data_ptr()] = u.numel() * u.element_size()
+        assert sum(seen.values()) == layer_bytes(model.config, 7, 4, lora.r, len(lora.targets))

@@ -406,7 +406,7 @@ def split_heldout(docs, fraction: float, seed: int = 0):
         raise DataError(f"held-out fraction {fraction} is outside [0, 1): pass e.g. 0.05")
     n = len(docs)
     k = 0 if fraction == 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
-    held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())
+    held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())  # sync: none (numpy on the host)
     train = [d for i, d in enumerate(docs) if i not in held]
     heldout = [d for i, d in enumerate(docs) if i in held]
     return train, heldout

@@ -357,7 +357,8 @@ def _tensor_plan(reader, config: dict, src: Path) -> list:
         if hf is None:
             raise GGUFError(f"{src}: tensor {t.name} is not a dense llama tensor lean knows (biases, "
                             "experts and extra tensors are not supported); nothing was written")
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
+        # GGUF lists ne0 (columns) first; sync: none (numpy metadata on the host)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # sync: none
         plan.append((hf, t, shape, n_heads))
     _check_plan(plan, config, src)
     return sorted(plan, key=lambda p: p[0])

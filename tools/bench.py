@@ -3,7 +3,7 @@
     python tools/bench.py kernels                  # on the H100, bf16: every kernel
     python tools/bench.py kernels --only attention,lora --json out/bench.json
     python tools/bench.py kernels --smoke          # CPU: interpreter, tiny sizes, no timings
-    python tools/bench.py step                     # (later) one training step
+    python tools/bench.py step                     # one LoRA step, tokens/s, MFU, peak GiB
 
 How a number is taken:
   * time = median of triton.testing.do_bench(fn, warmup, rep) (it flushes L2 between calls);
@@ -783,10 +783,16 @@ def main():
     k.add_argument("--only", help="comma-separated kernel names (substring match): " + ",".join(KERNELS))
     k.add_argument("--json", help="write the rows to this path")
     k.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, no timings")
-    sub.add_parser("step", help="one training step (not written yet)")
+    st = sub.add_parser("step", help="one LoRA optimizer step over 8192 tokens (lean; peers to come)")
+    st.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b")
+    st.add_argument("--layouts", default="packed,padded")
+    st.add_argument("--json", help="write the rows to this path")
     args = p.parse_args()
     if args.mode == "step":
-        sys.exit("bench step: not written yet")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_step
+        bench_step.main(args.models.split(","), args.layouts.split(","), args.json)
+        return
     if args.smoke:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
     cmd_kernels(args)

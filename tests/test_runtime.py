@@ -211,3 +211,25 @@ def test_hub_id_unreachable_names_the_fix(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(lean.ModelLoadError, match="could not fetch 'no-such-org/no-such-model'.*local folder"):
         lean.load_model("no-such-org/no-such-model", device=DEVICE)
+
+
+def test_adamw_wrapper_matches_torch(qwen3_dir):
+    """lean.AdamW over the flat LoRA buffer: three steps with a changing lr equal torch's AdamW +
+    clip_grad_norm_ on the same gradients."""
+    model = lean.load_model(qwen3_dir, dtype=torch.float32, device=DEVICE)
+    lora = lean.LoRA.init(model, r=4, alpha=8, seed=2)
+    ref = torch.nn.Parameter(lora.params.detach().clone())
+    opt = lean.AdamW(lora, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    topt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    for step, lr in enumerate([1e-2, 5e-3, 2e-3]):
+        grads = torch.randn(lora.numel, generator=g, device=DEVICE)
+        lora.grads.copy_(grads)
+        opt.step(lr=lr)
+        ref.grad = grads.clone()
+        norm = torch.nn.utils.clip_grad_norm_([ref], 0.5)
+        for group in topt.param_groups:
+            group["lr"] = lr
+        topt.step()
+        assert torch.allclose(opt.grad_norm, norm.reshape(1), rtol=1e-5)
+        assert (lora.params - ref.detach()).abs().max() <= 1e-6 * ref.detach().abs().max(), step

@@ -19,15 +19,17 @@ class AdamW:
         self.v = torch.zeros_like(lora.params)  # (P,) fp32
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device=dev)
         self.hyper = torch.zeros(2, dtype=torch.float32, device=dev)  # [lr, step]
-        self._hyper_host = torch.zeros(2, dtype=torch.float32, pin_memory=dev.type == "cuda")
         self.step_count = 0
 
     def step(self, lr=None):
         """One update from lora.grads; lr overrides the default (a schedule's value)."""
         self.step_count += 1
-        self._hyper_host[0] = self.lr if lr is None else lr
-        self._hyper_host[1] = self.step_count
-        self.hyper.copy_(self._hyper_host, non_blocking=True)
+        # A fresh pinned host tensor per step: rewriting one buffer could race the previous
+        # step's copy still in flight; the caching host allocator keeps each alive until its copy ran.
+        host = torch.tensor([self.lr if lr is None else lr, float(self.step_count)], dtype=torch.float32)
+        if self.hyper.is_cuda:
+            host = host.pin_memory()
+        self.hyper.copy_(host, non_blocking=True)
         lowp = None if self.lora.lowp is self.lora.params else self.lora.lowp
         adamw_step(self.lora.params, self.m, self.v, self.grad_norm, self.lora.grads, self.hyper,
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,

@@ -1,0 +1,388 @@
+"""The training loop behind `lean-train`: data -> packed micro-batches -> LoRA steps -> adapter.
+
+    cfg = TrainConfig(model="model/or/x.gguf", data="data/", out_dir="out", steps=100)
+    metrics = train(cfg)          # {"step", "loss", "eval_loss", "tokens", "seconds", "adapter"}
+
+Per optimizer step: `grad_accum` micro-batches of at most `max_tokens` tokens each; the gradient is
+that of (sum of token losses over the step) / (target tokens over the step), the target count known
+on the host from the batch descriptors (no sync). The loss is read back once per step, at the log
+point. LR: linear warm-up to `lr` over `warmup_steps`, then cosine down to `lr * min_lr_ratio`.
+
+Data order: epoch e packs the training documents with `pack_batches(seed=seed + e)`; micro-batches
+are taken in that order, and the next epoch starts when one runs out. The held-out split
+(`heldout_fraction`, seeded) is evaluated before training, every `eval_every` steps and at the end.
+
+Outputs in out_dir:
+  metrics.jsonl   one JSON line per step {"kind": "train", "step", "loss", "lr", "grad_norm",
+                  "tokens", "tokens_per_s", "seconds"} and per evaluation {"kind": "eval", "step",
+                  "loss", "targets"}; appended to on resume
+  checkpoint/     adapter/ (PEFT layout), state.safetensors (LoRA params, AdamW m and v, fp32) and
+                  state.json (step, data position, LoRA dropout counter, python/numpy RNG states,
+                  the config); written as checkpoint.tmp-<pid> and renamed into place, the previous
+                  checkpoint kept as checkpoint.old until the new one is complete
+  adapter/        the final adapter (PEFT layout: PeftModel.from_pretrained loads it)
+
+Resume (`resume=True`) restores the checkpoint and continues with the same batches in the same
+order, the same dropout seeds and the same optimizer state: the per-step losses equal those of an
+uninterrupted run (bit for bit on CPU). The config fields that shape the run must match.
+
+Errors are TrainError naming the cause and the fix: a NaN/inf loss (names the step; the last
+checkpoint is left untouched), CUDA out of memory (lower --max-tokens), a checkpoint that does
+not match the config. KeyboardInterrupt saves a checkpoint at the last completed step and is
+re-raised with a message on how to resume.
+Caution: an interrupt that lands inside the optimizer update cannot be checkpointed safely; the
+previous checkpoint is kept and the message says so.
+TODO (not built): sample generation during training, --merge (fold the adapter into the weights),
+TensorBoard logging.
+Tested: tests/test_train.py (loss goes down, resume == uninterrupted, atomic checkpoint, NaN
+error, CLI).
+"""
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .batch import pack
+from .data import load_records, pack_batches, split_heldout, tokenize_records
+from .loader import load_model, resolve_model_dir
+from .lora import LoRA
+from .optim import AdamW
+from .step import forward_backward, loss_eval
+from .tokenizer import Tokenizer
+
+CHECKPOINT = "checkpoint"
+METRICS = "metrics.jsonl"
+# Fields that must match between a checkpoint and a resumed run (they change batches or weights).
+RESUME_KEYS = ("max_tokens", "grad_accum", "steps", "lr", "warmup_steps", "min_lr_ratio",
+               "weight_decay", "max_grad_norm", "r", "alpha", "dropout", "targets", "seed",
+               "heldout_fraction")
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    model: str                    # HF folder, hub id, or a .gguf file (converted once, cached)
+    data: str                     # a data file or folder (see lean/runtime/data.py)
+    out_dir: str = "lean-out"
+    max_tokens: int = 4096        # tokens per micro-batch (also the longest document)
+    grad_accum: int = 1           # micro-batches per optimizer step
+    steps: int = 100              # optimizer steps
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1     # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["all"])
+    seed: int = 0
+    eval_every: int = 50          # 0: evaluate only before and after training
+    save_every: int = 50          # 0: checkpoint only on interrupt
+    heldout_fraction: float = 0.05
+    dtype: str = None             # float32 / bfloat16 / float16; None: bf16 on cuda, fp32 on cpu
+    device: str = None            # None: cuda if available, else cpu
+    resume: bool = False
+    progress: bool = True         # the per-step progress line
+
+
+# ---------------------------------------------------------------- setup
+
+def resolve_device_dtype(cfg):
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = cfg.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise TrainError(f"dtype {name!r} is not supported: use one of {', '.join(dtypes)}")
+    return device, name, dtypes[name]
+
+
+def resolve_model(model, dtype_name="float32") -> Path:
+    """A model folder: a local folder as is, a .gguf converted once (cached), else a hub id."""
+    p = Path(os.path.expanduser(str(model)))
+    if p.suffix.lower() == ".gguf":
+        from .gguf import ensure_hf_folder
+        return ensure_hf_folder(p, dtype_name)
+    return resolve_model_dir(model)
+
+
+def build_data(cfg, tok):
+    """(train docs, held-out docs, stats) from cfg.data."""
+    stats = {}
+    docs = tokenize_records(load_records(cfg.data), tok, max_len=cfg.max_tokens, stats=stats)
+    train_docs, heldout = split_heldout(docs, cfg.heldout_fraction, seed=cfg.seed)
+    if not train_docs:
+        raise TrainError(f"{cfg.data}: no training document left after holding out "
+                         f"{cfg.heldout_fraction:.0%}: add data or lower the held-out fraction")
+    return train_docs, heldout, stats
+
+
+def lr_at(step, cfg) -> float:
+    """LR of optimizer step `step` (1-based): linear warm-up, then cosine to lr * min_lr_ratio."""
+    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    t = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class DataStream:
+    """Micro-batches of documents in a fixed order; the position (epoch, index) is the state."""
+
+    def __init__(self, docs, max_tokens, seed, epoch=0, index=0):
+        self.docs, self.max_tokens, self.seed = docs, max_tokens, seed
+        self.epoch, self.index = epoch, index
+        self._batches = pack_batches(docs, max_tokens, seed=seed + epoch)
+
+    def next(self):
+        if self.index >= len(self._batches):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._batches = pack_batches(self.docs, self.max_tokens, seed=self.seed + self.epoch)
+        b = self._batches[self.index]
+        self.index += 1
+        return b
+
+
+def evaluate(model, lora, batches) -> tuple:
+    """(mean held-out loss, targets) over pre-packed batches; one host read."""
+    sums, count = [], 0
+    for b in batches:
+        loss_sum, n = loss_eval(model, lora, b)
+        sums.append(loss_sum)
+        count += n
+    return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out_dir, lora, opt, state: dict):
+    """Write out_dir/checkpoint atomically: a temp folder, then renamed into place."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    final, tmp, old = out_dir / CHECKPOINT, out_dir / f"{CHECKPOINT}.tmp-{os.getpid()}", out_dir / f"{CHECKPOINT}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        lora.save(tmp / "adapter")
+        tensors = {"params": lora.params, "m": opt.m, "v": opt.v}
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # sync: save point
+        save_file(tensors, str(tmp / "state.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)  # keep the last good one until the new one is in place
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def checkpoint_dir(out_dir) -> Path:
+    """The checkpoint folder; checkpoint.old if a save died between its two renames."""
+    out_dir = Path(out_dir)
+    for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        if (out_dir / name / "state.json").is_file():
+            return out_dir / name
+    raise TrainError(f"--resume: no checkpoint in {out_dir} (expected {out_dir / CHECKPOINT}/state.json): "
+                     "run without --resume, or pass the --out folder of the interrupted run")
+
+
+def load_checkpoint(out_dir, cfg, lora, opt) -> dict:
+    """Restore params, AdamW state, the dropout counter and RNG states; return state.json."""
+    from safetensors.torch import load_file
+
+    d = checkpoint_dir(out_dir)
+    state = json.loads((d / "state.json").read_text())
+    saved, now = state["config"], asdict(cfg)
+    diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
+        raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
+                         "settings to resume, or start a new run with another --out")
+    t = load_file(str(d / "state.safetensors"))
+    if t["params"].numel() != lora.params.numel():
+        raise TrainError(f"{d}: the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
+                         f"{lora.params.numel()}: another model? Start a new run with another --out")
+    lora.params.copy_(t["params"])
+    lora.sync_lowp()
+    lora.steps = int(state["lora_steps"])
+    opt.load_state_dict({"m": t["m"], "v": t["v"], "step": state["step"]})
+    random.setstate(_py_state_from_json(state["python_rng"]))
+    np.random.set_state(_np_state_from_json(state["numpy_rng"]))
+    return state
+
+
+def _np_state_to_json(st):
+    return [st[0], st[1].tolist(), int(st[2]), int(st[3]), float(st[4])]
+
+
+def _np_state_from_json(st):
+    return (st[0], np.asarray(st[1], dtype=np.uint32), st[2], st[3], st[4])
+
+
+def _py_state_from_json(st):
+    return (st[0], tuple(st[1]), st[2])
+
+
+# ---------------------------------------------------------------- the loop
+
+class Progress:
+    """A progress line per step: tqdm if importable, else print."""
+
+    def __init__(self, start, total, enabled):
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start, desc="lean-train", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, line):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(line, refresh=False)
+            self.bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def write(self, line):
+        if not self.enabled:
+            return
+        (self.bar.write if self.bar is not None else print)(line)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _log(fh, record):
+    fh.write(json.dumps(record) + "\n")
+    fh.flush()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the configured LoRA training; returns the final metrics (see the module docstring)."""
+    device, dtype_name, dtype = resolve_device_dtype(cfg)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model_dir = resolve_model(cfg.model, dtype_name)
+    tok = Tokenizer.from_dir(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    train_docs, heldout, _ = build_data(cfg, tok)
+    vocab = model.config.vocab
+    eval_batches = [pack(b, cfg.max_tokens, device=device, vocab=vocab)
+                    for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
+    lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
+                     seed=cfg.seed)
+    opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step, epoch, index = 0, 0, 0
+    if cfg.resume:
+        st = load_checkpoint(out, cfg, lora, opt)
+        step, epoch, index = st["step"], st["epoch"], st["batch_index"]
+    stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
+    with open(out / METRICS, "a") as fh:
+        try:
+            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab)
+        except torch.cuda.OutOfMemoryError as e:
+            raise TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens "
+                             "(raise --grad-accum to keep the tokens per step)") from e
+    lora.save(out / "adapter")
+    result["adapter"] = str(out / "adapter")
+    return result
+
+
+def _targets(targets):
+    return targets[0] if isinstance(targets, (list, tuple)) and len(targets) == 1 else targets
+
+
+def _state(cfg, step, epoch, index, lora_steps):
+    return {"step": step, "epoch": epoch, "batch_index": index, "lora_steps": lora_steps,
+            "python_rng": random.getstate(), "numpy_rng": _np_state_to_json(np.random.get_state()),
+            "config": asdict(cfg)}
+
+
+def _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab):
+    out = Path(cfg.out_dir)
+    eval_loss = None
+    if eval_batches and step == 0:
+        eval_loss, n = evaluate(model, lora, eval_batches)
+        _log(fh, {"kind": "eval", "step": 0, "loss": eval_loss, "targets": n})
+    progress = Progress(step, cfg.steps, cfg.progress)
+    t_start, done_at_start, loss = time.time(), step, None
+    tokens_total = 0
+    pos, in_update = (stream.epoch, stream.index, lora.steps), False
+    try:
+        while step < cfg.steps:
+            # the last completed step's position: what an interrupt checkpoint records
+            pos = (stream.epoch, stream.index, lora.steps)
+            t0 = time.time()
+            batches = [pack(stream.next(), cfg.max_tokens, device=device, vocab=vocab)
+                       for _ in range(cfg.grad_accum)]
+            n_targets = sum(b.n_targets for b in batches)  # host ints: no sync
+            lora.zero_grad()
+            sums = []  # device tensors, read once at the log point
+            for b in batches:
+                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1))
+                sums.append(loss_sum)
+            lr = lr_at(step + 1, cfg)
+            in_update = True
+            opt.step(lr=lr)
+            step += 1
+            in_update = False
+            loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
+            grad_norm = opt.grad_norm.item()  # sync: log point (already complete)
+            if not math.isfinite(loss):
+                raise TrainError(f"loss is {loss} at step {step} (lr {lr:.3g}): lower --lr (or raise "
+                                 "--warmup) and check the data for broken records; the last checkpoint "
+                                 f"in {out / CHECKPOINT} is untouched")
+            dt = time.time() - t0
+            n_tokens = sum(b.n_tokens for b in batches)
+            tokens_total += n_tokens
+            elapsed = time.time() - t_start
+            eta = elapsed / (step - done_at_start) * (cfg.steps - step)
+            _log(fh, {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                      "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt})
+            mem = f" mem {torch.cuda.max_memory_allocated() / 2**30:.2f}GiB" if device.startswith("cuda") else ""
+            progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
+                eval_loss, n = evaluate(model, lora, eval_batches)
+                _log(fh, {"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+                progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
+            if cfg.save_every and step % cfg.save_every == 0:
+                save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
+    except KeyboardInterrupt:
+        progress.close()
+        if in_update:
+            raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}: the previous "
+                                    f"checkpoint in {out / CHECKPOINT} is kept; resume with --resume") from None
+        epoch, index, lora_steps = pos
+        save_checkpoint(out, lora, opt, _state(cfg, step, epoch, index, lora_steps))
+        raise KeyboardInterrupt(f"interrupted after step {step}: checkpoint saved in {out / CHECKPOINT}; "
+                                "continue with the same command plus --resume") from None
+    progress.close()
+    if eval_batches:
+        eval_loss, n = evaluate(model, lora, eval_batches)
+        _log(fh, {"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+    if cfg.save_every:
+        save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
+    return {"step": step, "loss": loss, "eval_loss": eval_loss, "tokens": tokens_total,
+            "seconds": time.time() - t_start}

@@ -8,7 +8,7 @@ What is written into the folder:
                          (context_length), vocab_size, tie_word_embeddings (true when the file has no
                          output.weight), rope_scaling (linear only), bos/eos/pad token ids
   model.safetensors      every tensor dequantised (gguf.quants.dequantize: F32, F16, BF16, Q4_0,
-                         Q4_1, Q8_0, the K-quants, ...) to `dtype`, under HF names (GGUF_TO_HF),
+                         Q4_1, Q8_0, the K-quants, ...) to `dtype`, under HF names (GGUF_NAMES),
                          written one tensor at a time (peak memory: one tensor, not the model)
   tokenizer.json         the `tokenizers` byte-level BPE built from tokenizer.ggml.* metadata
   tokenizer_config.json  chat_template (tokenizer.chat_template; named ones as a list),
@@ -64,7 +64,7 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 CONVERTER_VERSION = 1  # bump when the output changes, so old conversions are redone
 
 # GGUF tensor name -> HF name. Per-layer names hang off blk.N. / model.layers.N.
-GGUF_TO_HF = {
+GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
@@ -349,7 +349,7 @@ def _tensor_plan(reader, config: dict, src: Path) -> list:
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     plan = []
     for t in reader.tensors:
-        hf, n_heads = GGUF_TO_HF.get(t.name), 0
+        hf, n_heads = GGUF_NAMES.get(t.name), 0
         if hf is None and t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             if layer.isdigit() and int(layer) < n_layers and rest in GGUF_TO_HF_LAYER:

@@ -26,7 +26,7 @@ class Tape:
     def record(self, backward, saved, *args):
         self.records.append((backward, saved, args))
 
-    def backward(self, g):
+    def replay(self, g):
         while self.records:
             backward, saved, args = self.records.pop()  # popping frees each layer's activations
             g = backward(g, saved, *args)
@@ -102,7 +102,7 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None):
     linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
-    tape.backward(g)
+    tape.replay(g)  # backward: every layer in reverse
     return loss[0:1], batch.n_targets
 
 

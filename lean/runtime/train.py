@@ -227,7 +227,7 @@ def load_checkpoint(out_dir, cfg, lora, opt) -> dict:
 
 
 def _np_state_to_json(st):
-    return [st[0], st[1].tolist(), int(st[2]), int(st[3]), float(st[4])]
+    return [st[0], st[1].tolist(), int(st[2]), int(st[3]), float(st[4])]  # sync: none (numpy RNG state)
 
 
 def _np_state_from_json(st):

@@ -209,7 +209,7 @@ def test_adapter_errors(tmp_path, qwen3_dir):
 def test_hub_id_unreachable_names_the_fix(monkeypatch):
     """A hub id goes through huggingface_hub; when it cannot be fetched the error says what to do."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(lean.ModelLoadError, match="could not fetch 'no-such-org/no-such-model'.*local folder"):
+    with pytest.raises(lean.ModelLoadError, match="(?s)could not fetch 'no-such-org/no-such-model'.*local folder"):
         lean.load_model("no-such-org/no-such-model", device=DEVICE)
 
 

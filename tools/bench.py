@@ -787,11 +787,12 @@ def main():
     st.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b")
     st.add_argument("--layouts", default="packed,padded")
     st.add_argument("--json", help="write the rows to this path")
+    st.add_argument("--graph", action="store_true", help="also time a CUDA-graph replay of forward+backward")
     args = p.parse_args()
     if args.mode == "step":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import bench_step
-        bench_step.main(args.models.split(","), args.layouts.split(","), args.json)
+        bench_step.main(args.models.split(","), args.layouts.split(","), args.json, graph=args.graph)
         return
     if args.smoke:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"

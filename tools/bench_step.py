@@ -68,7 +68,39 @@ def random_model(name, device="cuda"):
     return lean, model
 
 
-def run(name, layout, matmul_tflops, warmup=3, steps=8):
+def graph_step_ms(lean, model, lora, opt, batch, steps):
+    """Experiment: the forward + backward of one fixed batch captured once in a CUDA graph and
+    replayed (the optimizer step runs eagerly after each replay). Returns the median ms of
+    replay + optimizer step; the loss of a replay is checked against an eager step's."""
+    lora.zero_grad()
+    eager_loss, _ = lean.forward_backward(model, lora, batch, seed=0)
+    eager_grads = lora.grads.clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lora.zero_grad()
+        with torch.cuda.graph(g, stream=side):
+            lora.zero_grad()
+            loss, _ = lean.forward_backward(model, lora, batch, seed=0)
+    torch.cuda.current_stream().wait_stream(side)
+    g.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(loss, eager_loss) and torch.equal(lora.grads, eager_grads)
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), same
+
+
+def run(name, layout, matmul_tflops, warmup=3, steps=8, graph=False):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     lean, model = random_model(name)
@@ -90,14 +122,21 @@ def run(name, layout, matmul_tflops, warmup=3, steps=8):
         if i >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
     assert math.isfinite(loss.item())
+    graph_ms = None
+    if graph:
+        graph_ms = graph_step_ms(lean, model, lora, opt, batches[0], steps)
     t = statistics.median(times)
     tokens = sum(lens)
-    return dict(model=name, layout=layout, tokens_per_s=tokens / t, ms=t * 1e3,
+    extra = {}
+    if graph_ms is not None:
+        extra = dict(graph_ms=graph_ms[0], graph_tokens_per_s=tokens / (graph_ms[0] / 1e3),
+                     graph_equals_eager=graph_ms[1])
+    return dict(model=name, layout=layout, tokens_per_s=tokens / t, ms=t * 1e3, **extra,
                 mfu=useful_flops(model.config, lens) / t / (matmul_tflops * 1e12),
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item())
 
 
-def main(models=("qwen3-0.6b", "llama-3.2-1b"), layouts=("packed", "padded"), json_path=None):
+def main(models=("qwen3-0.6b", "llama-3.2-1b"), layouts=("packed", "padded"), json_path=None, graph=False):
     import json
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -118,10 +157,12 @@ def main(models=("qwen3-0.6b", "llama-3.2-1b"), layouts=("packed", "padded"), js
     print(f"{'model':14s} {'layout':7s} {'tokens/s':>10s} {'ms':>8s} {'MFU':>6s} {'peak GiB':>9s}  peers")
     for m in models:
         for layout in layouts:
-            r = run(m, layout, rate)
+            r = run(m, layout, rate, graph=graph)
             rows.append(r)
+            g = (f"  graph: {r['graph_tokens_per_s']:,.0f} tok/s ({r['graph_ms']:.1f} ms), "
+                 f"bit-equal to eager: {r['graph_equals_eager']}") if graph else ""
             print(f"{m:14s} {layout:7s} {r['tokens_per_s']:10,.0f} {r['ms']:8.1f} {100 * r['mfu']:5.1f}% "
-                  f"{r['peak_gib']:9.2f}  not run yet (performance issue)", flush=True)
+                  f"{r['peak_gib']:9.2f}  peers not run yet{g}", flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(matmul_tflops=rate, rows=rows), f, indent=1)

@@ -41,7 +41,7 @@ def resolve_model_dir(path_or_id) -> Path:
         return Path(snapshot_download(str(path_or_id), allow_patterns=HUB_PATTERNS))
     except Exception as e:  # network, auth, missing repo: say which and what to do
         raise ModelLoadError(
-            f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"could not fetch {path_or_id!r} from the Hugging Face hub ({type(e).__name__}: {' '.join(str(e).split())}). "
             "Pass a local folder instead, or check the id, your network and HF_TOKEN for gated models."
         ) from e
 

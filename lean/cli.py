@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
     a("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
     a("--quiet", action="store_true", help="no progress line")
+    a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
+      "(safetensors + config + tokenizer, loads in transformers)")
     return p
 
 
@@ -78,6 +80,25 @@ def config_from_args(args):
         seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
         heldout_fraction=args.heldout, dtype=args.dtype, device=args.device, resume=args.resume,
         progress=not args.quiet)
+
+
+def merge_run(cfg, adapter_dir):
+    """Fold the run's adapter into the model (fp32 on the run's device) and write --out/merged."""
+    from pathlib import Path
+
+    import torch
+
+    from .runtime.loader import load_model
+    from .runtime.lora import LoRA
+    from .runtime.merge import merge_and_save
+    from .runtime.train import resolve_device_dtype, resolve_model
+
+    device, dtype_name, _ = resolve_device_dtype(cfg)
+    folder = resolve_model(cfg.model, dtype_name)
+    model = load_model(folder, dtype=torch.float32, device=device)
+    lora = LoRA.load(model, adapter_dir)
+    out_dtype = "float32" if dtype_name == "float32" else "bfloat16"
+    return merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder)
 
 
 def main(argv=None) -> int:
@@ -97,6 +118,13 @@ def main(argv=None) -> int:
     except (TrainError, ModelLoadError) as e:
         print(f"lean-train: error: {e}", file=sys.stderr)
         return 2
+    if args.merge:
+        try:
+            merged = merge_run(cfg, metrics["adapter"])
+        except (ValueError, OSError, ModelLoadError) as e:
+            print(f"lean-train: error: merge failed: {e}", file=sys.stderr)
+            return 2
+        print(f"lean-train: merged model in {merged}")
     print(f"lean-train: done: step {metrics['step']}, loss {metrics['loss']:.4f}, held-out "
           f"{metrics['eval_loss'] if metrics['eval_loss'] is None else round(metrics['eval_loss'], 4)}, "
           f"adapter in {metrics['adapter']}")

@@ -233,3 +233,28 @@ def test_adamw_wrapper_matches_torch(qwen3_dir):
         topt.step()
         assert torch.allclose(opt.grad_norm, norm.reshape(1), rtol=1e-5)
         assert (lora.params - ref.detach()).abs().max() <= 1e-6 * ref.detach().abs().max(), step
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied lm_head
+def test_merge_writes_a_folder_transformers_loads(tmp_path, arch):
+    """W + scale * B A folded in: transformers on the merged folder gives the adapted logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lean.runtime.merge import merge_and_save
+
+    build_hf(arch, 4).save_pretrained(tmp_path / "base")
+    model = lean.load_model(tmp_path / "base", dtype=torch.float32, device=DEVICE)
+    lora = lean.LoRA.init(model, r=4, alpha=8, targets="q,k,o,down", seed=4)
+    g = torch.Generator().manual_seed(4)
+    lora.params.copy_(lora.params + 0.05 * torch.randn(lora.params.shape, generator=g).to(lora.params.device))
+    lora.sync_lowp()
+    out = merge_and_save(model, lora, tmp_path / "merged", dtype="float32")
+    assert not list(tmp_path.glob("merged.tmp-*"))
+    docs = [[3, 17, 5, 99, 42, 7, 8], [11, 12, 13]]
+    adapted = lean.forward(model, lora, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
+    base = lean.forward(model, None, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
+    assert (adapted - base).abs().max() > 1e-3  # the adapter matters, so the check below can fail
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.cat([hf(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    assert (ref - adapted).abs().max() <= 1e-5 * adapted.abs().max()

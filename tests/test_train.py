@@ -175,10 +175,11 @@ def test_cli_parses_and_runs(setup, capsys):
     out = root / "cli"
     rc = main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "2",
                "--max-tokens", "64", "--r", "2", "--targets", "q", "--save-every", "0", "--quiet",
-               "--device", "cpu"])
+               "--device", "cpu", "--merge"])
     assert rc == 0, capsys.readouterr().err
     assert "done: step 2" in capsys.readouterr().out
     assert sorted(_metrics(out, "train")) == [1, 2]
+    assert (out / "merged" / "model.safetensors").exists() and (out / "merged" / "tokenizer.json").exists()
     assert main(["--model", str(root / "missing"), "--data", str(data), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -1,0 +1,68 @@
+"""Fold a LoRA adapter into the frozen weights and write an HF folder transformers loads.
+
+    W' = W + scale * B A          for every adapted projection (O, K) = (O, R) @ (R, K)
+
+The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
+tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
+copied from the model's folder. The folder is written as out_dir.tmp-<pid> and renamed into
+place, so a crash never leaves a half-written merge under the final name.
+Caution: holds every merged tensor on the host until the write (fine for the models lean trains
+on one GPU; a streaming writer is the fix for larger ones).
+"""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..kernels.gemm import matmul
+
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "chat_template.jinja")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def merged_tensors(model, lora, dtype):
+    """{HF name: host tensor} of the model with the adapter folded in."""
+    adapted = {}
+    for li, layer in enumerate(model.layers):
+        for t, ad in lora.layers[li].items():
+            adapted[id(getattr(layer, t))] = ad
+    out = {}
+    for name, w in model.hf_tensors():
+        ad = adapted.get(id(w))
+        if ad is not None:
+            w32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (O, K)
+            w32.copy_(w)
+            matmul(w32, ad.b, ad.a, accumulate=True, alpha=lora.scale)  # W += scale * B A
+            w = w32
+        out[name] = w.to(device="cpu", dtype=dtype).contiguous()  # sync: merge is a save point
+    return out
+
+
+def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None):
+    """Write model + adapter, merged, as an HF folder at out_dir; returns its path."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"merge dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    src = Path(src_dir or model.path)
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src} has no config.json to copy: pass src_dir=, the model's HF folder")
+    out = Path(out_dir)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(merged_tensors(model, lora, DTYPES[dtype]), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        for name in COPIED:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

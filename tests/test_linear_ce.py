@@ -4,7 +4,7 @@ import torch
 
 from lean.kernels.linear_ce import linear_ce_fwd_bwd
 from tests.reference.linear_ce import linear_ce_chunked_ref, linear_ce_ref
-from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, poison, randn
+from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 gpu = pytest.mark.gpu
 

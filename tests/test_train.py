@@ -52,7 +52,7 @@ def _cfg(setup, out, **kw):
     base = dict(model=str(model), data=str(data), out_dir=str(root / out), max_tokens=64, steps=6,
                 lr=1e-1, warmup_steps=1, r=4, alpha=8, targets=["down"], dropout=0.1,
                 seed=int(np.random.randint(1000)), eval_every=0, save_every=0, heldout_fraction=0.2,
-                progress=False)
+                progress=False, sample_tokens=0)
     base.update(kw)
     return T.TrainConfig(**base)
 
@@ -64,7 +64,7 @@ def _metrics(out, kind):
 
 @pytest.fixture(scope="module")
 def full_run(setup):
-    cfg = _cfg(setup, "full", seed=7)
+    cfg = _cfg(setup, "full", seed=7, sample_tokens=5, sample_prompt="the cat")
     return cfg, T.train(cfg)
 
 
@@ -75,6 +75,37 @@ def test_training_lowers_heldout_loss(full_run):
     assert result["eval_loss"] == evals[6]
     assert evals[6] < evals[0] - 0.3, evals
     assert (T.Path(cfg.out_dir) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_samples_and_tensorboard(full_run):
+    """Greedy samples before and after (through the KV-cache path) land in the result and the
+    metrics; the TensorBoard log holds the same train and eval scalars as metrics.jsonl."""
+    cfg, result = full_run
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / T.METRICS).read_text().splitlines()]
+    samples = [m for m in lines if m["kind"] == "sample"]
+    assert [(m["when"], m["step"]) for m in samples] == [("before", 0), ("after", 6)]
+    assert [m["text"] for m in samples] == [result["sample_before"], result["sample_after"]]
+    assert all(w in WORDS for w in result["sample_after"].split())  # decoded words of the vocab
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(T.Path(cfg.out_dir) / "tb"))
+    acc.Reload()
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert tb_loss.keys() == _metrics(T.Path(cfg.out_dir), "train").keys()
+    for step, loss in _metrics(T.Path(cfg.out_dir), "train").items():
+        assert abs(tb_loss[step] - loss) <= 1e-6 * abs(loss)
+    assert sorted(e.step for e in acc.Scalars("eval/loss")) == [0, 6]
+
+
+def test_out_of_memory_names_the_flag(setup, monkeypatch):
+    cfg = _cfg(setup, "oom", steps=2)
+
+    def oom(*a, **k):
+        raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(T, "forward_backward", oom)
+    with pytest.raises(T.TrainError, match="out of GPU memory at max_tokens=64.*lower --max-tokens"):
+        T.train(cfg)
 
 
 def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch):

@@ -32,8 +32,9 @@ not match the config. KeyboardInterrupt saves a checkpoint at the last completed
 re-raised with a message on how to resume.
 Caution: an interrupt that lands inside the optimizer update cannot be checkpointed safely; the
 previous checkpoint is kept and the message says so.
-TODO (not built): sample generation during training, --merge (fold the adapter into the weights),
-TensorBoard logging.
+Before and after training it prints the held-out loss and a greedy sample answer to a fixed
+prompt (lean/runtime/observe.py: KV-cache generation through lean's kernels); metrics also go to
+TensorBoard (out_dir/tb) when tensorboard is installed.
 Tested: tests/test_train.py (loss goes down, resume == uninterrupted, atomic checkpoint, NaN
 error, CLI).
 """
@@ -53,12 +54,12 @@ from .batch import pack
 from .data import load_records, pack_batches, split_heldout, tokenize_records
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
+from .observe import METRICS, Metrics, Progress, sample
 from .optim import AdamW
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
 
 CHECKPOINT = "checkpoint"
-METRICS = "metrics.jsonl"
 # Fields that must match between a checkpoint and a resumed run (they change batches or weights).
 RESUME_KEYS = ("max_tokens", "grad_accum", "steps", "lr", "warmup_steps", "min_lr_ratio",
                "weight_decay", "max_grad_norm", "r", "alpha", "dropout", "targets", "seed",
@@ -93,7 +94,10 @@ class TrainConfig:
     dtype: str = None             # float32 / bfloat16 / float16; None: bf16 on cuda, fp32 on cpu
     device: str = None            # None: cuda if available, else cpu
     resume: bool = False
-    progress: bool = True         # the per-step progress line
+    progress: bool = True         # the progress bar and the before/after report
+    sample_prompt: str = "What is your name?"  # greedy sample before and after training
+    sample_tokens: int = 32       # new tokens per sample (0: no samples)
+    tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
 
 
 # ---------------------------------------------------------------- setup
@@ -240,43 +244,6 @@ def _py_state_from_json(st):
 
 # ---------------------------------------------------------------- the loop
 
-class Progress:
-    """A progress line per step: tqdm if importable, else print."""
-
-    def __init__(self, start, total, enabled):
-        self.bar = None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=start, desc="lean-train", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def update(self, line):
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(line, refresh=False)
-            self.bar.update(1)
-        else:
-            print(line, flush=True)
-
-    def write(self, line):
-        if not self.enabled:
-            return
-        (self.bar.write if self.bar is not None else print)(line)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _log(fh, record):
-    fh.write(json.dumps(record) + "\n")
-    fh.flush()
-
-
 def train(cfg: TrainConfig) -> dict:
     """Run the configured LoRA training; returns the final metrics (see the module docstring)."""
     device, dtype_name, dtype = resolve_device_dtype(cfg)
@@ -299,15 +266,34 @@ def train(cfg: TrainConfig) -> dict:
         st = load_checkpoint(out, cfg, lora, opt)
         step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
-    with open(out / METRICS, "a") as fh:
+    say = print if cfg.progress else (lambda *a, **k: None)
+    say(f"lean-train: {model.config.arch} from {model_dir} on {device} ({dtype_name}); "
+        f"{len(train_docs)} training documents, {len(heldout)} held out; LoRA r={cfg.r} on "
+        f"{', '.join(lora.targets)} ({lora.params.numel():,} parameters)", flush=True)
+    with Metrics(out, tensorboard=cfg.tensorboard) as metrics:
         try:
-            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab)
+            before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if step == 0 else None
+            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab)
+            if result["eval_loss_before"] is not None:
+                say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
+            result["sample_before"] = before
+            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, result["step"], "after", say)
         except torch.cuda.OutOfMemoryError as e:
             raise TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens "
                              "(raise --grad-accum to keep the tokens per step)") from e
     lora.save(out / "adapter")
     result["adapter"] = str(out / "adapter")
     return result
+
+
+def _sample(cfg, model, lora, tok, metrics, step, when, say):
+    """The greedy answer to cfg.sample_prompt, printed and logged; None when samples are off."""
+    if cfg.sample_tokens <= 0:
+        return None
+    text = sample(model, lora, tok, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)
+    metrics.log({"kind": "sample", "step": step, "when": when, "prompt": cfg.sample_prompt, "text": text})
+    say(f"sample {when} training: {cfg.sample_prompt!r} -> {text!r}", flush=True)
+    return text
 
 
 def _targets(targets):
@@ -320,12 +306,15 @@ def _state(cfg, step, epoch, index, lora_steps):
             "config": asdict(cfg)}
 
 
-def _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab):
+def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab):
     out = Path(cfg.out_dir)
-    eval_loss = None
+    eval_loss = eval_before = None
     if eval_batches and step == 0:
         eval_loss, n = evaluate(model, lora, eval_batches)
-        _log(fh, {"kind": "eval", "step": 0, "loss": eval_loss, "targets": n})
+        eval_before = eval_loss
+        metrics.log({"kind": "eval", "step": 0, "loss": eval_loss, "targets": n})
+        if cfg.progress:
+            print(f"held-out loss before training: {eval_loss:.4f} ({n} target tokens)", flush=True)
     progress = Progress(step, cfg.steps, cfg.progress)
     t_start, done_at_start, loss = time.time(), step, None
     tokens_total = 0
@@ -359,13 +348,13 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab):
             tokens_total += n_tokens
             elapsed = time.time() - t_start
             eta = elapsed / (step - done_at_start) * (cfg.steps - step)
-            _log(fh, {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            metrics.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt})
             mem = f" mem {torch.cuda.max_memory_allocated() / 2**30:.2f}GiB" if device.startswith("cuda") else ""
             progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
                 eval_loss, n = evaluate(model, lora, eval_batches)
-                _log(fh, {"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+                metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
@@ -381,8 +370,8 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, fh, device, vocab):
     progress.close()
     if eval_batches:
         eval_loss, n = evaluate(model, lora, eval_batches)
-        _log(fh, {"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+        metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
     if cfg.save_every:
         save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
-    return {"step": step, "loss": loss, "eval_loss": eval_loss, "tokens": tokens_total,
+    return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}

@@ -1,0 +1,105 @@
+"""What a training run shows and records: the progress bar, the metrics file (+ TensorBoard), samples.
+
+    progress = Progress(start_step, total_steps, enabled=True)   # tqdm bar, or plain lines
+    metrics = Metrics(out_dir)                                   # metrics.jsonl (+ tb/ when
+    metrics.log({"kind": "train", "step": 3, "loss": 2.1, ...})  #   tensorboard is installed)
+    text = sample(model, lora, tok, "What is your name?", max_new_tokens=32)
+
+Metrics: one JSON line per record, appended (a resumed run continues the file); every numeric
+field of a record also goes to TensorBoard as `<kind>/<field>` at its step, when the `tensorboard`
+package is importable (torch.utils.tensorboard's writer, events in out_dir/tb). Samples are greedy
+generations through lean's kernels with a KV cache (lean/runtime/generate.py): the prompt is
+rendered with the model's chat template when it has one (as a user turn, generation prompt on),
+else used as plain text.
+Tested: tests/test_train.py (metrics lines, TensorBoard events read back, the samples printed by
+the default run).
+"""
+import importlib.util
+import json
+from pathlib import Path
+
+from .generate import generate
+
+METRICS = "metrics.jsonl"
+
+
+class Progress:
+    """A progress line per step: tqdm if importable, else print."""
+
+    def __init__(self, start, total, enabled):
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start, desc="lean-train", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, line):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(line, refresh=False)
+            self.bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def write(self, line):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Metrics:
+    """metrics.jsonl (always) and a TensorBoard log in out_dir/tb (when tensorboard is installed)."""
+
+    def __init__(self, out_dir, tensorboard=True):
+        out_dir = Path(out_dir)
+        self.fh = open(out_dir / METRICS, "a")
+        self.tb = None
+        if tensorboard and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tb"))
+
+    def log(self, record):
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+        if self.tb is not None:
+            kind, step = record.get("kind", "run"), record.get("step", 0)
+            for k, v in record.items():
+                if k not in ("kind", "step") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(f"{kind}/{k}", v, step)
+                elif k == "text":
+                    self.tb.add_text(f"{kind}/text", v, step)
+            self.tb.flush()
+
+    def close(self):
+        self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def sample(model, lora, tok, prompt, max_new_tokens=32):
+    """Greedy answer to `prompt` (chat-templated when the tokenizer has a template), as text."""
+    if tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tok.encode(text)
+    else:
+        ids = tok.encode(prompt, add_special_tokens=True)
+    stop = {i for i in (tok.eos_id,) if i is not None}
+    out = generate(model, lora, ids, max_new_tokens=max_new_tokens, stop_ids=stop)
+    return tok.decode(out, skip_special_tokens=True).strip()

@@ -3,7 +3,8 @@
     python tools/bench.py kernels                  # on the H100, bf16: every kernel
     python tools/bench.py kernels --only attention,lora --json out/bench.json
     python tools/bench.py kernels --smoke          # CPU: interpreter, tiny sizes, no timings
-    python tools/bench.py step                     # one LoRA step, tokens/s, MFU, peak GiB
+    python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
+    python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
 
 How a number is taken:
   * time = median of triton.testing.do_bench(fn, warmup, rep) (it flushes L2 between calls);
@@ -783,19 +784,30 @@ def main():
     k.add_argument("--only", help="comma-separated kernel names (substring match): " + ",".join(KERNELS))
     k.add_argument("--json", help="write the rows to this path")
     k.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, no timings")
-    st = sub.add_parser("step", help="one LoRA optimizer step over 8192 tokens (lean; peers to come)")
-    st.add_argument("--models", default="qwen3-0.6b,llama-3.2-1b")
-    st.add_argument("--layouts", default="packed,padded")
+    st = sub.add_parser("step", help="one LoRA optimizer step over 8192 tokens: lean and its peers")
+    st.add_argument("--models", help="comma-separated, from qwen3-0.6b,llama-3.2-1b,qwen3-8b "
+                    "(default qwen3-0.6b,llama-3.2-1b; --smoke: qwen3-0.6b)")
+    st.add_argument("--layouts", help="packed,padded (default both; --smoke: packed)")
+    st.add_argument("--peers", default="hf,liger,unsloth", help="comma-separated peers run beside lean")
+    st.add_argument("--steps", type=int, help="timed steps after the warm-up (default 8; --smoke: 1)")
+    st.add_argument("--timeout", type=int, default=300, help="seconds one row's process may take")
     st.add_argument("--json", help="write the rows to this path")
-    st.add_argument("--graph", action="store_true", help="also time a CUDA-graph replay of forward+backward")
+    st.add_argument("--graph", action="store_true", help="also time a CUDA-graph replay of lean's forward+backward")
+    st.add_argument("--smoke", action="store_true", help="CPU, tiny configs, interpreter, no timing claims")
     args = p.parse_args()
+    if args.smoke:  # before anything imports triton
+        os.environ["TRITON_INTERPRET"] = "1"
     if args.mode == "step":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import bench_step
-        bench_step.main(args.models.split(","), args.layouts.split(","), args.json, graph=args.graph)
+
+        split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+        models = split(args.models or ("qwen3-0.6b" if args.smoke else "qwen3-0.6b,llama-3.2-1b"))
+        layouts = split(args.layouts or ("packed" if args.smoke else "packed,padded"))
+        steps = args.steps or (1 if args.smoke else 8)
+        bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
+                        smoke=args.smoke, timeout=args.timeout)
         return
-    if args.smoke:  # before anything imports triton
-        os.environ["TRITON_INTERPRET"] = "1"
     cmd_kernels(args)
 
 

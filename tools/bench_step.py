@@ -1,42 +1,106 @@
-"""bench step: one LoRA optimizer step over 8192 tokens, timed (lean only so far).
+"""bench step: one LoRA optimizer step over 8192 tokens, lean and its peers in one run.
 
-Same work as ../shared/PEERS.md's rows: a random-init bf16 model of the named real config, LoRA
-r=16 alpha=32 dropout=0 on q,k,v,o,gate,up,down, AdamW (with clipping) on the LoRA parameters,
-loss on every token; layouts `packed` (1 x 8192, document lengths exponential with mean 512, at
-least 16, seeded) and `padded` (4 x 2048 documents). Warm-up steps, then the median of timed steps
-(CUDA events around forward_backward + optimizer step). MFU = useful FLOPs / (time x the bf16
-matmul rate measured in the same run); useful FLOPs per token = 4 x matmul params (lm_head
-included) + causal attention (forward once, backward twice), recompute not counted.
-The peers (HF+PEFT, Liger, Unsloth) join this mode with the performance issue.
+The two device calls (the device has no internet: tools/fetch_wheels.sh, run here, puts the
+peers' wheels in .whl/a and .whl/b; together they pass the 64 MiB one call may carry, so they
+travel in two calls, and the machine keeps /tmp/site between calls while it stays warm, 30 s):
+
+    run(command="tools/gpu_check.sh wheels", carry=[".whl/a"], timeout_s=300)   # unsloth & co
+    run(command="tools/gpu_check.sh step", carry=[".whl/b"], timeout_s=600)     # at once after
+
+The second alone still runs lean, HF+PEFT and Liger (.whl/b carries liger-kernel); Unsloth then
+prints "unsloth not installed: skipped". A further call on the warm machine needs no carry, e.g.
+`tools/gpu_check.sh step --models qwen3-8b`; if the default run nears the 10-minute cap, split it
+the same way (`step --models qwen3-0.6b`, then `step --models llama-3.2-1b`).
+On a CPU: `python tools/bench.py step --smoke` (tiny configs, the interpreter, no timing claims).
+
+The work, the same in every row (../shared/PEERS.md): a random-init bf16 model of the named real
+config; LoRA r=16 alpha=32 dropout=0 on q,k,v,o,gate,up,down; loss on every token; gradient
+clipping at 1.0 and AdamW on the LoRA parameters (lean.AdamW for lean, torch's fused AdamW for
+the peers); no checkpointing. Layouts: `packed` = 1 x 8192, document lengths exponential with
+mean 512, at least 16 (seeded), position_ids restarting per document (Unsloth also gets
+packed_seq_lengths); `padded` = 4 x 2048 full rows. Frameworks: lean, HF+PEFT, HF+PEFT+Liger
+(liger-kernel 0.8.5), Unsloth 2026.10.9 (tools/bench_peers.py builds and steps each).
+
+How a number is taken: each (framework, model, layout) runs in its own process (its peak memory
+is its own, torch.cuda.max_memory_allocated from a reset at process start; Unsloth's global
+patches of transformers stay in its process) and prints one JSON row. Time = median over
+`--steps` timed steps (CUDA events around zero-grad + forward + backward + clip + optimizer
+step) after 3 warm-up steps (Unsloth's compile warm-up falls in them). MFU = useful FLOPs /
+(time x the bf16 matmul rate measured once by this process, as `bench.py kernels` does); useful
+FLOPs per token = 4 x matmul params (lm_head included) + causal attention (forward once, backward
+twice); recompute is not counted. Ratios: lean tok/s / peer tok/s (> 1: lean faster) and lean
+peak / peer peak (< 1: lean smaller).
+
+Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
+fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
+Caution: --smoke numbers are CPU wall clock on tiny configs; they test the harness, not speed.
 """
-import math
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import numpy as np
 import torch
 
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TOOLS)
+TOKENS = 8192  # per optimizer step
+SMOKE_TOKENS = 64
+WARMUP = 3
+FRAMEWORKS = {"lean": "lean", "hf": "HF+PEFT", "liger": "HF+PEFT+Liger", "unsloth": "Unsloth"}
+PEER_MODULE = {"hf": "peft", "liger": "liger_kernel", "unsloth": "unsloth"}  # importable = installed
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# HF config.json values (read by lean's config_from_hf and by transformers' AutoConfig).
 CONFIGS = {
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, max_position_embeddings=40960,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=131072,
+                         rope_parameters=_LLAMA3_ROPE),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=40960,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
+DEFAULT_MODELS = ("qwen3-0.6b", "llama-3.2-1b")
+LAYOUTS = ("packed", "padded")
+# --smoke: the same architecture and tying, tiny sizes (lean's interpreter runs them in seconds).
+_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=256)
 
 
-def doc_lengths(layout, total=8192, seed=0):
+def model_config(name, smoke=False):
+    """The HF config dict of a bench model (tiny under smoke). Raises KeyError naming the choices."""
+    if name not in CONFIGS:
+        raise KeyError(f"unknown model {name!r}: bench step knows {', '.join(CONFIGS)}")
+    return {**CONFIGS[name], **_TINY} if smoke else dict(CONFIGS[name])
+
+
+def doc_lengths(layout, total=TOKENS, seed=0):
+    """Document lengths of a layout: padded = 4 equal rows; packed = exponential(total / 16), at
+    least total / 512 (16 at 8192 tokens), seeded, summing to exactly `total`."""
     if layout == "padded":
-        return [2048] * 4
+        return [total // 4] * 4
+    if layout != "packed":
+        raise ValueError(f"unknown layout {layout!r}: packed or padded")
     rng = np.random.default_rng(seed)
+    mean, least = total / 16, max(2, total // 512)
     lens, left = [], total
     while left > 0:
-        n = min(left, max(16, int(rng.exponential(512))))
-        if 0 < left - n < 16:
+        n = min(left, max(least, int(rng.exponential(mean))))
+        if 0 < left - n < least:
             n = left
         lens.append(n)
         left -= n
@@ -44,6 +108,8 @@ def doc_lengths(layout, total=8192, seed=0):
 
 
 def useful_flops(cfg, lens):
+    """PEERS.md's rule: 4 x matmul params per token (lm_head once) + causal attention, forward
+    once and backward twice. cfg: lean's ModelConfig."""
     C, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
     per_layer = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C + 3 * C * F
     matmul_params = cfg.n_layers * per_layer + V * C
@@ -52,13 +118,36 @@ def useful_flops(cfg, lens):
     return 4 * matmul_params * tokens + 3 * attn_fwd
 
 
-def random_model(name, device="cuda"):
+def time_steps(step, warmup, steps, cuda):
+    """Median seconds of step(i) over `steps` timed calls after `warmup` untimed ones, and the
+    last loss. CUDA events on a GPU (one sync per step, after the end event), wall clock on CPU."""
+    times, loss = [], None
+    for i in range(warmup + steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step(i)
+            end.record()
+            torch.cuda.synchronize()  # host sync: read this step's time
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            loss = step(i)
+            dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    return statistics.median(times), float(loss)  # host sync: the last loss, after timing
+
+
+# =============================================================================================
+# lean's row (run in a child process by tools/bench_peers.py)
+# =============================================================================================
+def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
     import lean
     from lean.models.config import config_from_hf
     from lean.models.weights import empty_model
 
-    cfg = config_from_hf(CONFIGS[name])
-    model = empty_model(cfg, torch.bfloat16, device)
+    model = empty_model(config_from_hf(model_config(name, smoke)), dtype, device)
     g = torch.Generator(device=device).manual_seed(0)
     for _, t in model.hf_tensors():
         if t.dim() == 1:
@@ -88,82 +177,189 @@ def graph_step_ms(lean, model, lora, opt, batch, steps):
     g.replay()
     torch.cuda.synchronize()
     same = torch.equal(loss, eager_loss) and torch.equal(lora.grads, eager_grads)
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step(_i):
         g.replay()
         opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), same
+        return loss
+
+    t, _ = time_steps(step, 0, steps, cuda=True)
+    return t * 1e3, same
 
 
-def run(name, layout, matmul_tflops, warmup=3, steps=8, graph=False):
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    lean, model = random_model(name)
+def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False):
+    """lean's row: {tokens, ms, loss, [graph_*]}. smoke: fp32 on the CPU through the interpreter
+    (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    cuda = torch.cuda.is_available() and not smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    lean, model = random_model(name, device, dtype, smoke)
     lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=0.0, seed=0)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
-    lens = doc_lengths(layout)
+    total = SMOKE_TOKENS if smoke else TOKENS
+    lens = doc_lengths(layout, total)
     rng = np.random.default_rng(1)
-    batches = [lean.pack([rng.integers(0, model.config.vocab, n).tolist() for n in lens], max_tokens=8192)
-               for _ in range(2)]
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    batches = [lean.pack([rng.integers(0, model.config.vocab, n).tolist() for n in lens],
+                         max_tokens=total, device=device) for _ in range(2)]
+
+    def step(i):
         lora.zero_grad()
-        loss, _ = lean.forward_backward(model, lora, batches[i % 2])
+        loss, n = lean.forward_backward(model, lora, batches[i % 2])
         opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    assert math.isfinite(loss.item())
-    graph_ms = None
-    if graph:
-        graph_ms = graph_step_ms(lean, model, lora, opt, batches[0], steps)
-    t = statistics.median(times)
-    tokens = sum(lens)
-    extra = {}
-    if graph_ms is not None:
-        extra = dict(graph_ms=graph_ms[0], graph_tokens_per_s=tokens / (graph_ms[0] / 1e3),
-                     graph_equals_eager=graph_ms[1])
-    return dict(model=name, layout=layout, tokens_per_s=tokens / t, ms=t * 1e3, **extra,
-                mfu=useful_flops(model.config, lens) / t / (matmul_tflops * 1e12),
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item())
+        return loss / n
+
+    t, loss = time_steps(step, warmup, steps, cuda)
+    row = dict(tokens=total, ms=t * 1e3, loss=loss, checkpointing=False)
+    if graph and cuda:
+        ms, same = graph_step_ms(lean, model, lora, opt, batches[0], steps)
+        row.update(graph_ms=ms, graph_tokens_per_s=total / (ms / 1e3), graph_equals_eager=same)
+    return row
 
 
-def main(models=("qwen3-0.6b", "llama-3.2-1b"), layouts=("packed", "padded"), json_path=None, graph=False):
-    import json
+# =============================================================================================
+# the parent: one child process per row, then the table
+# =============================================================================================
+def _tail(text, n=15):
+    return [ln[:200] for ln in text.strip().splitlines()[-n:]]
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(10):
-        a @ b
-    ev[1].record()
-    torch.cuda.synchronize()
-    rate = 2 * 8192**3 * 10 / (ev[0].elapsed_time(ev[1]) / 1e3) / 1e12
-    del a, b
-    print(f"# bench step on {torch.cuda.get_device_name()}; bf16 matmul 8192^3: {rate:.1f} TFLOP/s")
+
+def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout):
+    """Start tools/bench_peers.py for one row; its last `ROW {json}` line, or an error row with
+    the tail of what it printed."""
+    cmd = [sys.executable, os.path.join(TOOLS, "bench_peers.py"), framework, model, layout,
+           "--steps", str(steps), "--warmup", str(warmup)]
+    cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework == "lean")
+    # Unsloth writes unsloth_compiled_cache/ into its working directory: keep it out of the repo.
+    cwd = os.path.join("/tmp", "bench_step") if framework == "unsloth" else ROOT
+    os.makedirs(cwd, exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # its own group: a timeout ends its workers too
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        err += f"\nkilled after the per-row timeout of {timeout} s (--timeout)"
+    wall = time.perf_counter() - t0
+    rows = [ln[4:] for ln in out.splitlines() if ln.startswith("ROW ")]
+    if p.returncode == 0 and rows:
+        return dict(json.loads(rows[-1]), wall_s=wall)
+    tail = _tail(err or out)
+    oom = any("OutOfMemoryError" in ln or "out of memory" in ln for ln in tail)
+    return dict(status="oom" if oom else "error", note=(tail[-1] if tail else f"exit {p.returncode}"),
+                error_tail=tail, wall_s=wall)
+
+
+def measure_matmul(smoke):
+    """The bf16 matmul rate (TFLOP/s), measured as `bench.py kernels` does (its Bench); the
+    device-to-device copy it also measures is printed, not used."""
+    import bench
+
+    B = bench.Bench(smoke)
+    B.measure_machine()
+    rate = B.matmul_flops / 1e12
+    del B
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the children need the memory, not this process's cache
+    return rate
+
+
+def finish_row(row, framework, model, layout, rate, smoke):
+    """Add the row's keys, tok/s and MFU (PEERS.md's useful FLOPs over the parent's matmul rate)."""
+    from lean.models.config import config_from_hf
+
+    row = dict(dict(status="ok", note=""), **row, framework=FRAMEWORKS[framework], model=model, layout=layout)
+    if row.get("checkpointing"):
+        row["note"] = ("CHECKPOINTING ON (not the bench's work) " + row["note"]).strip()
+    if row["status"] == "ok":
+        lens = doc_lengths(layout, row["tokens"])
+        t = row["ms"] / 1e3
+        row["tokens_per_s"] = row["tokens"] / t
+        row["mfu"] = useful_flops(config_from_hf(model_config(model, smoke)), lens) / t / (rate * 1e12)
+    return row
+
+
+def fmt_table(rows):
+    """The table: one line per row; the ratio columns compare lean's row of the same model and
+    layout with this row's peer. A row that did not run says why after its first three cells."""
+    head = ["model", "layout", "framework", "tok/s", "MFU", "peak GiB", "lean/peer tok/s", "lean/peer peak"]
+    lean = {(r["model"], r["layout"]): r for r in rows if r["framework"] == "lean" and r["status"] == "ok"}
+    lines = [head]
+    for r in rows:
+        cells = [r["model"], r["layout"], r["framework"]]
+        if r["status"] != "ok":
+            why = r["note"] if r["status"] == "skipped" else f"{r['status']}: {r['note']}"
+            lines.append(cells + [why[:120]])
+            continue
+        peak = r.get("peak_gib")
+        cells += [f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", "-" if peak is None else f"{peak:.2f}"]
+        base = lean.get((r["model"], r["layout"]))
+        if r["framework"] == "lean" or base is None:
+            cells += ["-", "-"]
+        else:
+            lp = base.get("peak_gib")
+            cells += [f"{base['tokens_per_s'] / r['tokens_per_s']:.2f}x", f"{lp / peak:.2f}x" if lp and peak else "-"]
+        if r.get("graph_tokens_per_s"):
+            cells.append(f"graph {r['graph_tokens_per_s']:,.0f} tok/s, bit-equal to eager: {r['graph_equals_eager']}")
+        lines.append(cells)
+    widths = [max(len(ln[i]) for ln in lines if len(ln) >= len(head) or i < 3) for i in range(len(head))]
+    out = []
+    for ln in lines:
+        n = len(head) if len(ln) >= len(head) else 3
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(ln[:n], widths))]
+        out.append("  ".join(cells + ln[n:]).rstrip())
+    return "\n".join(out)
+
+
+def write_json(path, rows, rate, device, smoke):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(device=device, torch=torch.__version__, smoke=smoke, matmul_tflops=rate, rows=rows), f, indent=1)
+
+
+def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=8, json_path=None,
+         graph=False, smoke=False, timeout=300):
+    """Run every (model, layout) x (lean, peers) row, each in its own process; print the table."""
+    import importlib.util
+
+    unknown = [f for f in peers if f not in FRAMEWORKS] + [m for m in models if m not in CONFIGS] + \
+        [la for la in layouts if la not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"bench step: unknown {unknown}: frameworks {list(FRAMEWORKS)}, models "
+                         f"{list(CONFIGS)}, layouts {list(LAYOUTS)}")
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("bench step: no CUDA GPU here; use --smoke for the CPU harness check")
+    warmup = 0 if smoke else WARMUP  # smoke: the interpreter is slow and no time is claimed
+    device = "CPU (interpreter, tiny configs)" if smoke else torch.cuda.get_device_name()
+    print(f"# bench step on {device}; torch {torch.__version__}; {steps} timed steps after {warmup} "
+          f"warm-up; frameworks {', '.join(FRAMEWORKS[f] for f in ['lean', *peers] if f in FRAMEWORKS)}")
+    rate = measure_matmul(smoke)
     rows = []
-    print(f"{'model':14s} {'layout':7s} {'tokens/s':>10s} {'ms':>8s} {'MFU':>6s} {'peak GiB':>9s}  peers")
     for m in models:
         for layout in layouts:
-            r = run(m, layout, rate, graph=graph)
-            rows.append(r)
-            g = (f"  graph: {r['graph_tokens_per_s']:,.0f} tok/s ({r['graph_ms']:.1f} ms), "
-                 f"bit-equal to eager: {r['graph_equals_eager']}") if graph else ""
-            print(f"{m:14s} {layout:7s} {r['tokens_per_s']:10,.0f} {r['ms']:8.1f} {100 * r['mfu']:5.1f}% "
-                  f"{r['peak_gib']:9.2f}  peers not run yet{g}", flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(matmul_tflops=rate, rows=rows), f, indent=1)
+            for fw in ["lean"] + [p for p in peers if p != "lean"]:
+                if fw != "lean" and not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
+                    raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
+                else:
+                    raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout)
+                r = finish_row(raw, fw, m, layout, rate, smoke)
+                rows.append(r)
+                print_row(r)
+                if json_path:  # after every row: a run cut short keeps what it measured
+                    write_json(json_path, rows, rate, device, smoke)
+    print()
+    print(fmt_table(rows))
     return rows
+
+
+def print_row(r):
+    if r["status"] == "ok":
+        peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f} GiB"
+        print(f"row {r['model']} | {r['layout']} | {r['framework']} | {r['tokens_per_s']:,.0f} tok/s | "
+              f"{100 * r['mfu']:.1f}% MFU | {peak} | loss {r['loss']:.3f} | {r['wall_s']:.0f} s | {r['note']}",
+              flush=True)
+        return
+    why = r["note"] if r["status"] == "skipped" else f"{r['status']}: {r['note']}"
+    print(f"row {r['model']} | {r['layout']} | {r['framework']} | {why}", flush=True)
+    for ln in r.get("error_tail", []):
+        print(f"    {ln}")

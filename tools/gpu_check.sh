@@ -3,14 +3,21 @@
 #
 #   tools/gpu_check.sh              # tests, then bench (default; no extra args)
 #   tools/gpu_check.sh tests [ARGS] # tests only: ARGS go to pytest (default: tests)
-#   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py (e.g. --only attention,lora)
+#   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py kernels (e.g. --only attention,lora)
+#   tools/gpu_check.sh step [ARGS]  # the step bench, lean and the peers: ARGS go to bench.py step
+#   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)
 #
-# Logs and the bench rows land in $OUT (default ./out): tests.log, bench.log, bench.json.
+# Logs and rows land in $OUT (default ./out): tests.log, bench.log, bench.json, step.log, step.json.
 # The device tool returns only the last 12,000 characters, so the script ends with a recap: the
-# test summary, then the bench table. Budget: the whole script under 8 minutes on an H100; each
-# part has a hard cap (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so one hang cannot eat the other.
-# Liger-Kernel (the linear-CE baseline) travels as a wheel in .whl/ (the device has no internet):
-# carry ".whl" in the device call.
+# test summary, then the bench and step tables. Budget: each part has a hard cap (TESTS_TIMEOUT,
+# BENCH_TIMEOUT, STEP_TIMEOUT seconds) so one hang cannot eat the others; tests + bench take under
+# 8 minutes on an H100, the step part alone up to STEP_TIMEOUT (560 s).
+# Wheels (the device has no internet): tools/fetch_wheels.sh fills .whl/a (Unsloth and its needs)
+# and .whl/b (bitsandbytes, liger-kernel); each call carries at most one of them (64 MiB a call).
+# Whatever .whl/a, .whl/b and .whl/ hold is installed into /tmp/site, cumulatively: a warm machine
+# keeps /tmp between calls and a wheel already installed there is not installed again. The kernel
+# bench's Liger baseline needs carry [".whl/b"]; the step bench's two calls are written at the top
+# of tools/bench_step.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -20,25 +27,52 @@ PART=${1:-all}
 [ $# -gt 0 ] && shift
 case "$PART" in
     all) [ $# -eq 0 ] || { echo "gpu_check.sh: extra args need a part (tests ARGS, bench ARGS)"; exit 2; } ;;
-    tests|bench) ;;
-    *) echo "gpu_check.sh: unknown part '$PART' (all, tests or bench)"; exit 2 ;;
+    tests|bench|step) ;;
+    wheels) [ $# -eq 0 ] || { echo "gpu_check.sh: wheels takes no args"; exit 2; } ;;
+    *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step or wheels)"; exit 2 ;;
 esac
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-270}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-190}
+STEP_TIMEOUT=${STEP_TIMEOUT:-560}
+SITE=/tmp/site
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+install_wheels() {  # new wheels from .whl/a, .whl/b, .whl/ into $SITE; libcudart.so.12 copied
+    shopt -s nullglob
+    local -A seen=()
+    local new=() w name
+    for w in .whl/a/*.whl .whl/b/*.whl .whl/*.whl; do
+        name=$(basename "$w")
+        [ -n "${seen[$name]:-}" ] && continue  # one copy of a wheel: two stop pip
+        seen[$name]=1
+        [ -e "$SITE/.installed/$name" ] || new+=("$w")
+    done
+    if [ ${#new[@]} -gt 0 ]; then
+        echo "installing into $SITE: ${new[*]##*/}"
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "${new[@]}" || return 1
+        mkdir -p "$SITE/.installed"
+        for w in "${new[@]}"; do touch "$SITE/.installed/$(basename "$w")"; done
+    fi
+    for w in .whl/a/libcudart.so.12 .whl/b/libcudart.so.12; do  # for xformers; never pip-installed
+        [ -f "$w" ] && mkdir -p "$SITE/_cudart" && cp "$w" "$SITE/_cudart/"
+    done
+    shopt -u nullglob
+}
+install_wheels || { echo "gpu_check.sh: installing the wheels into $SITE failed (pip's message above)"; exit 1; }
+[ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi -L
 python3 -c "import torch, triton
 print(f'torch {torch.__version__} (cuda {torch.version.cuda}), triton {triton.__version__}')"
-python3 -c "import liger_kernel; print('liger-kernel importable')" 2>/dev/null \
-    || echo "liger-kernel not importable"
+python3 -c "import importlib.util as u
+print('installed:', ', '.join(f'{m} {\"yes\" if u.find_spec(m) else \"no\"}' for m in
+      ('liger_kernel', 'unsloth', 'unsloth_zoo', 'trl', 'datasets', 'xformers', 'bitsandbytes')))"
+[ -f "$SITE/_cudart/libcudart.so.12" ] && echo "libcudart.so.12 in $SITE/_cudart (preloaded for Unsloth)"
+[ "$PART" = wheels ] && exit 0
 
 tests_rc=skipped
 bench_rc=skipped
+step_rc=skipped
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
     echo "=== tests (cap ${TESTS_TIMEOUT}s)"
     per_test=()
@@ -57,6 +91,11 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     timeout "$BENCH_TIMEOUT" python3 tools/bench.py kernels --json "$OUT/bench.json" "$@" 2>&1 \
         | tee "$OUT/bench.log"
     bench_rc=$?
+fi
+if [ "$PART" = step ]; then
+    echo "=== bench step (cap ${STEP_TIMEOUT}s)"
+    timeout "$STEP_TIMEOUT" python3 tools/bench.py step --json "$OUT/step.json" "$@" 2>&1 | tee "$OUT/step.log"
+    step_rc=$?
 fi
 
 # Recap, last so it survives the 12,000-character tail: test summary, then the bench table.
@@ -78,6 +117,17 @@ if [ "$bench_rc" != skipped ]; then
         grep "^row " "$OUT/bench.log"  # the table never printed: the rows as they were measured
     fi
 fi
+if [ "$step_rc" != skipped ]; then
+    [ "$step_rc" = 124 ] && echo "step: killed at ${STEP_TIMEOUT}s: the rows measured so far"
+    echo "step: rc=$step_rc"
+    grep -E "^# (bench step|matmul)" "$OUT/step.log"
+    if grep -q "^model  " "$OUT/step.log"; then
+        sed -n '/^model  /,$p' "$OUT/step.log"
+    else
+        grep "^row " "$OUT/step.log"  # the table never printed: the rows as they were measured
+    fi
+fi
 [ "$tests_rc" = skipped ] || [ "$tests_rc" = 0 ] || exit 1
 [ "$bench_rc" = skipped ] || [ "$bench_rc" = 0 ] || exit 1
+[ "$step_rc" = skipped ] || [ "$step_rc" = 0 ] || exit 1
 exit 0

@@ -11,6 +11,7 @@
 """
 from .models.config import ModelConfig, UnsupportedModelError
 from .runtime.batch import Batch, BatchError, pack
+from .runtime.graph import StepGraph, StepGraphError
 from .runtime.loader import ModelLoadError, load_model, model_from_tensors
 from .runtime.lora import LoRA, LoRAError
 from .runtime.optim import AdamW
@@ -18,6 +19,7 @@ from .runtime.step import forward, forward_backward, loss_eval
 
 __version__ = "0.1.0"
 __all__ = [
-    "AdamW", "Batch", "BatchError", "LoRA", "LoRAError", "ModelConfig", "ModelLoadError",
+    "AdamW", "Batch", "BatchError", "LoRA", "LoRAError", "ModelConfig", "ModelLoadError", "StepGraph",
+    "StepGraphError",
     "UnsupportedModelError", "forward", "forward_backward", "load_model", "model_from_tensors", "loss_eval", "pack",
 ]

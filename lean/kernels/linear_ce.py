@@ -43,8 +43,9 @@ logits of std 100; the gpu-marked cases (bf16 and fp32 up to N 16384, V 151936, 
 Caution: the launcher allocates its scratch through torch's caching allocator on every call.
 Caution: fp32 inputs go through gemm.py's exact-fp32 (not tf32) path: correct but slow on a GPU.
 Caution: a target outside [0, V) that is not ignore_index contributes lse (target logit read as 0).
-Caution: the valid count is exact below 2^24 tokens; grad_scale must be a Python number (a device
-tensor would need a host sync).
+Caution: the valid count is exact below 2^24 tokens.
+grad_scale: a Python number, or a (1,) fp32 device tensor the row kernel reads on the device (a
+captured CUDA graph then replays with whatever was last written into it; no host sync either way).
 """
 import os
 
@@ -72,7 +73,8 @@ def _linear_ce_fwd_bwd_kernel(
     row_loss_ptr,  # (rows,) fp32 out: lse - target logit, 0 for ignored rows
     targets_ptr,  # (rows,) int32/int64
     V, stride_row,  # sizes
-    grad_scale, ignore_index,  # scalars
+    grad_scale_ptr,  # (1,) fp32: dL/dloss_sum, read on the device (graph-safe)
+    ignore_index,
     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -100,7 +102,7 @@ def _linear_ce_fwd_bwd_kernel(
 
     # Pass 2: overwrite the row with its gradient (zeros for an ignored row).
     if WRITE_GRAD:
-        scale = tl.where(valid, grad_scale, 0.0)
+        scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             mask = offs < V
@@ -141,7 +143,8 @@ def _default_chunk_rows(N, V, C, elsize, interpret):
 
 def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None):
     """loss (2,) fp32 = [CE sum over valid tokens, valid count]; dh (N, C) = grad_scale * dCE/dh
-    (or None: loss only). h (N, C), w (V, C), targets (N,). Both outputs are written with `=`."""
+    (or None: loss only). h (N, C), w (V, C), targets (N,). Both outputs are written with `=`.
+    grad_scale: a number or a (1,) fp32 tensor on h's device."""
     check(h, "h", shape=(None, None), dtype=(torch.float32, torch.float16, torch.bfloat16),
           last_contiguous=True)
     N, C = h.shape
@@ -154,6 +157,10 @@ def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-
         check(dh, "dh", shape=(N, C), dtype=h.dtype, device=dev, last_contiguous=True)
     if V < 1 or C < 1:
         raise ValueError(f"linear_ce_fwd_bwd: needs V >= 1 and C >= 1, got V={V}, C={C}")
+    if isinstance(grad_scale, torch.Tensor):
+        check(grad_scale, "grad_scale", shape=(1,), dtype=torch.float32, device=dev)
+    else:  # a number: one fill launch, so the kernel has one path (no host sync)
+        grad_scale = torch.empty(1, dtype=torch.float32, device=dev).fill_(float(grad_scale))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if chunk_rows is None:
         chunk_rows = _default_chunk_rows(N, V, C, h.element_size(), interpret)
@@ -172,7 +179,7 @@ def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-
         _linear_ce_fwd_bwd_kernel[(r1 - r0,)](
             logits, row_loss[r0:r1], targets[r0:r1],
             V, logits.stride(0),
-            float(grad_scale), ignore_index,
+            grad_scale, ignore_index,
             BLOCK_V=block_v, WRITE_GRAD=dh is not None, num_warps=row_warps,
         )
         if dh is not None:

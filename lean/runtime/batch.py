@@ -14,6 +14,13 @@ the step reads back from the device.
 
 The four int32 arrays travel to the device in ONE non-blocking copy from a pinned host buffer.
 RoPE tables (cos, sin) are built from `positions` once per batch by the step's prologue.
+
+Fixed shapes (for a captured CUDA graph, lean/runtime/graph.py): pack(..., pad_to=T, max_docs=D)
+always gives N = T tokens, cu_seqlens of D+1 entries and max_seqlen = T. The tokens past the real
+documents form one padding document (ids 0, every target ignored: it attends only to itself and
+adds exactly zero to the loss and the gradients); the unused slots are documents of length 0 at
+the end. `PinnedUpload` is the persistent device tensor a graph reads, written from the host
+through two pinned buffers in turn.
 """
 from dataclasses import dataclass, field
 
@@ -65,14 +72,16 @@ def _doc_parts(doc, i):
     return ids, mask
 
 
-def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None):
+def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None, max_docs=None):
     """Pack documents into one batch descriptor.
 
     docs: list of documents (see _doc_parts). mask[t] = 1 means token t is a target (its
     prediction from token t-1 counts in the loss); without a mask every token after a document's
     first is a target. max_tokens: the token budget; a longer document or a larger total is an
-    error naming the fix. pad_to: pad the row to this many tokens with an ignored filler document
-    (fixed shapes for graph capture). vocab: if given, ids are checked against it here on the host.
+    error naming the fix. pad_to: pad the row to this many tokens with an ignored filler document.
+    max_docs (needs pad_to): fixed shapes for graph capture -- cu_seqlens gets max_docs + 1
+    entries (empty documents fill the unused slots; the filler document takes a slot) and
+    max_seqlen = pad_to. vocab: if given, ids are checked against it here on the host.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,6 +105,8 @@ def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None):
         if pad_to > total:
             parts.append((np.zeros(pad_to - total, dtype=np.int64), np.zeros(pad_to - total, dtype=bool)))
             lens.append(pad_to - total)
+    if max_docs is not None:
+        _fill_doc_slots(parts, lens, max_docs, pad_to, n_docs=len(docs))
     N, B = sum(lens), len(lens)
 
     host = np.empty(3 * N + B + 1, dtype=np.int32)
@@ -125,5 +136,52 @@ def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None):
         dev_t = host_t.clone()
     return Batch(
         ids=dev_t[:N], positions=dev_t[N:2 * N], targets=dev_t[2 * N:3 * N], cu_seqlens=dev_t[3 * N:],
-        max_seqlen=int(max(lens)), n_tokens=N, n_targets=n_targets, doc_lens=lens, host=host,
+        max_seqlen=N if max_docs is not None else int(max(lens)),  # fixed shapes: the whole row
+        n_tokens=N, n_targets=n_targets, doc_lens=lens, host=host,
     )
+
+
+def _fill_doc_slots(parts, lens, max_docs, pad_to, n_docs):
+    """Append empty documents until there are max_docs (in place): a fixed cu_seqlens length."""
+    if pad_to is None:
+        raise BatchError("max_docs fixes the shapes for graph capture and needs pad_to (the fixed "
+                         "token count): pass pad_to=max_tokens")
+    if len(lens) > max_docs:
+        filler = " and the padding document" if len(lens) > n_docs else ""
+        raise BatchError(f"{n_docs} documents{filler} need {len(lens)} document slots, more than "
+                         f"max_docs={max_docs}: raise max_docs or put fewer documents in a batch")
+    for _ in range(max_docs - len(lens)):
+        parts.append((np.zeros(0, dtype=np.int64), None))
+        lens.append(0)
+
+
+class PinnedUpload:
+    """A persistent device tensor `dev` written from the host with no round trip to the device.
+
+    write(values) fills one of two pinned host buffers, used in turn, and enqueues a non-blocking
+    copy into `dev` on the current stream; an event recorded after each copy guards its buffer.
+    Before a buffer is refilled the host waits on its event: it blocks only when it has run two
+    writes ahead of the device (a bound on run-ahead, never a wait for the step just enqueued).
+    A captured CUDA graph reads `dev` on replay, so write before replay. On the CPU the copy is
+    plain and synchronous.
+    Caution: `dev` holds one value at a time: work enqueued after a write reads that write's
+    value, so write right before the launch or replay that needs it.
+    """
+
+    def __init__(self, n, dtype, device):
+        self.dev = torch.zeros(n, dtype=dtype, device=device)
+        cuda = self.dev.is_cuda
+        self._host = [torch.zeros(n, dtype=dtype, pin_memory=cuda) for _ in range(2)]
+        self._done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+
+    def write(self, values):
+        """dev <- values (anything numpy can assign to the buffer: an array, a list, a scalar)."""
+        i, self._turn = self._turn, 1 - self._turn
+        if self._done[i] is not None:
+            self._done[i].synchronize()  # the copy from this buffer two writes ago (see the class)
+        self._host[i].numpy()[:] = values
+        self.dev.copy_(self._host[i], non_blocking=True)
+        if self._done[i] is not None:
+            self._done[i].record()
+        return self.dev

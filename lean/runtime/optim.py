@@ -1,12 +1,16 @@
 """AdamW over the LoRA flat buffer: fp32 master weights and moments, clipping on the device.
 
-lr and step live in a small device tensor (`hyper`) that a captured CUDA graph reads on replay;
-the host writes it before each step with one non-blocking copy. The global gradient norm stays on
-the device (`grad_norm`) until a log point reads it.
+lr and step live in a small persistent device tensor (`hyper`) that a captured CUDA graph reads
+on replay. A step is two halves: begin_step(lr) on the host (count the step, write [lr, step] into
+`hyper` with one non-blocking copy from a persistent pinned buffer, see batch.PinnedUpload) and
+update() on the device (the three AdamW launches, no host value baked in: what a graph captures).
+step(lr) is both. The global gradient norm stays on the device (`grad_norm`) until a log point
+reads it.
 """
 import torch
 
 from ..kernels.adamw import adamw_step
+from .batch import PinnedUpload
 
 
 class AdamW:
@@ -18,18 +22,22 @@ class AdamW:
         self.m = torch.zeros_like(lora.params)  # (P,) fp32
         self.v = torch.zeros_like(lora.params)  # (P,) fp32
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device=dev)
-        self.hyper = torch.zeros(2, dtype=torch.float32, device=dev)  # [lr, step]
+        self._hyper = PinnedUpload(2, torch.float32, dev)
+        self.hyper = self._hyper.dev  # (2,) fp32 [lr, step], persistent: a captured graph reads it
         self.step_count = 0
 
     def step(self, lr=None):
         """One update from lora.grads; lr overrides the default (a schedule's value)."""
+        self.begin_step(lr)
+        self.update()
+
+    def begin_step(self, lr=None):
+        """Host half of a step: count it and write [lr, step] into `hyper` (no sync)."""
         self.step_count += 1
-        # A fresh pinned host tensor per step: rewriting one buffer could race the previous
-        # step's copy still in flight; the caching host allocator keeps each alive until its copy ran.
-        host = torch.tensor([self.lr if lr is None else lr, float(self.step_count)], dtype=torch.float32)
-        if self.hyper.is_cuda:
-            host = host.pin_memory()
-        self.hyper.copy_(host, non_blocking=True)
+        self._hyper.write([self.lr if lr is None else lr, float(self.step_count)])
+
+    def update(self):
+        """Device half of a step: AdamW from lora.grads and `hyper`; safe to capture in a graph."""
         lowp = None if self.lora.lowp is self.lora.params else self.lora.lowp
         adamw_step(self.lora.params, self.m, self.v, self.grad_norm, self.lora.grads, self.hyper,
                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,

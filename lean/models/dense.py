@@ -130,6 +130,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg):
     # MLP block
     mid, n2, rstd2 = new(N, C), new(N, C), new(N, dt=torch.float32)
     rmsnorm_fwd(n2, rstd2, x, w.post_norm, ctx.eps, residual=a, h=mid)
+    del a  # dead: its memory serves the MLP (the activation plan counts on it)
     F = cfg.intermediate
     gate, up, act = new(N, F), new(N, F), new(N, F)
     proj_fwd(gate, xa, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
@@ -150,10 +151,12 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     proj_bwd(dact, g, sv.act, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False)
     dgate, dup = sv.gate, sv.up  # in place: gate/up are dead after this
     swiglu_bwd(dgate, dup, dact, sv.gate, sv.up)
+    del dact  # each gradient buffer is freed once dead: plan.py's BACKWARD moments count on it
     dn2 = new(N, C)
     proj_bwd(dn2, dgate, sv.n2, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False)
     proj_bwd(dn2, dup, sv.n2, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True)
     rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g)  # g = dL/dmid
+    del dn2
     # attention block, bottom-up
     do = new(N, H * D)
     proj_bwd(do, g, sv.o, w.o, ads.get("o"), sv.xa.get("o"), "o", ctx, li, False)
@@ -162,6 +165,7 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     attention_bwd(dq.view(N, H, D), dk.view(N, KVH, D), dv.view(N, KVH, D), delta, do.view(N, H, D),
                   sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
                   sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    del do, delta
     rope_bwd(dq.view(N, H, D), dk.view(N, KVH, D), ctx.cos, ctx.sin)
     if cfg.qk_norm:  # through the per-head norms to the projections' outputs
         dq_pre, dk_pre = new(N, H * D), new(N, KVH * D)

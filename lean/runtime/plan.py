@@ -1,73 +1,149 @@
-"""The activation plan: every tensor a layer's forward saves for its backward, in one table.
+"""The activation plan: every tensor a layer saves, its policy per layer, and the step's predicted peak.
 
-Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank.
-act = the model's compute dtype. Policy today is `keep` for every row (saved on the GPU); the
-offload/recompute planner reads this same table, and so do the memory estimate and its test.
+Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab.
+act = the model's compute dtype (2 bytes for bf16).
 
-| name   | shape        | dtype | policy | what it is                                     |
-|--------|--------------|-------|--------|------------------------------------------------|
-| x      | (N, C)       | act   | keep   | layer input (residual stream)                  |
-| rstd1  | (N,)         | fp32  | keep   | 1/rms of x                                     |
-| n1     | (N, C)       | act   | keep   | rmsnorm(x) * w_in: input of q, k, v            |
-| xa     | (N, R) each  | act   | keep   | drop(input) A^T of every LoRA projection       |
-| q_pre  | (N, H*D)     | act   | keep   | q before QK-norm (Qwen3 only)                  |
-| k_pre  | (N, KVH*D)   | act   | keep   | k before QK-norm (Qwen3 only)                  |
-| rstd_q | (N*H,)       | fp32  | keep   | QK-norm statistics (Qwen3 only)                |
-| rstd_k | (N*KVH,)     | fp32  | keep   | QK-norm statistics (Qwen3 only)                |
-| q      | (N, H*D)     | act   | keep   | q after norm and RoPE                          |
-| k      | (N, KVH*D)   | act   | keep   | k after norm and RoPE                          |
-| v      | (N, KVH*D)   | act   | keep   | v                                              |
-| o      | (N, H*D)     | act   | keep   | attention output: input of o_proj              |
-| lse    | (H, N)       | fp32  | keep   | attention log-sum-exp                          |
-| mid    | (N, C)       | act   | keep   | x + attention block output                     |
-| rstd2  | (N,)         | fp32  | keep   | 1/rms of mid                                   |
-| n2     | (N, C)       | act   | keep   | rmsnorm(mid) * w_post: input of gate, up       |
-| gate   | (N, F)       | act   | keep   | gate projection (overwritten by its gradient)  |
-| up     | (N, F)       | act   | keep   | up projection (overwritten by its gradient)    |
-| act    | (N, F)       | act   | keep   | silu(gate) * up: input of down                 |
+What one layer's forward saves for its backward (dense.Saved, field for field):
+
+| name   | shape        | dtype | what it is                                     |
+|--------|--------------|-------|------------------------------------------------|
+| x      | (N, C)       | act   | layer input (residual stream)                  |
+| rstd1  | (N,)         | fp32  | 1/rms of x                                     |
+| n1     | (N, C)       | act   | rmsnorm(x) * w_in: input of q, k, v            |
+| xa     | (N, R) each  | act   | drop(input) A^T of every LoRA projection       |
+| q_pre  | (N, H*D)     | act   | q before QK-norm (Qwen3 only)                  |
+| k_pre  | (N, KVH*D)   | act   | k before QK-norm (Qwen3 only)                  |
+| rstd_q | (N*H,)       | fp32  | QK-norm statistics (Qwen3 only)                |
+| rstd_k | (N*KVH,)     | fp32  | QK-norm statistics (Qwen3 only)                |
+| q      | (N, H*D)     | act   | q after norm and RoPE                          |
+| k      | (N, KVH*D)   | act   | k after norm and RoPE                          |
+| v      | (N, KVH*D)   | act   | v                                              |
+| o      | (N, H*D)     | act   | attention output: input of o_proj              |
+| lse    | (H, N)       | fp32  | attention log-sum-exp                          |
+| mid    | (N, C)       | act   | x + attention block output                     |
+| rstd2  | (N,)         | fp32  | 1/rms of mid                                   |
+| n2     | (N, C)       | act   | rmsnorm(mid) * w_post: input of gate, up       |
+| gate   | (N, F)       | act   | gate projection (overwritten by its gradient)  |
+| up     | (N, F)       | act   | up projection (overwritten by its gradient)    |
+| act    | (N, F)       | act   | silu(gate) * up: input of down                 |
+
+Policies, chosen per layer by its mode (MODES): a row is `keep` (stays on the GPU until its
+layer's backward), `offload` (copied to pinned host memory in forward, reloaded in backward) or
+`recompute` (dropped in forward, rebuilt in backward by rerunning layer_forward from the input):
+
+| mode      | x       | every other row | GPU bytes the layer holds | extra work in backward       |
+|-----------|---------|-----------------|---------------------------|------------------------------|
+| keep      | keep    | keep            | all rows                  | none                         |
+| recompute | keep    | recompute       | N*C*act                   | the layer's forward          |
+| offload   | offload | recompute       | 0 (one reload buffer)     | the forward; copies overlap  |
+
+The planner (plan_step) picks the cheapest modes that fit a VRAM budget: all keep if that fits;
+otherwise the fewest recomputed layers, and among those the fewest offloaded (a copy costs
+nothing when it hides under compute, but it can only lose). Offloaded layers come first
+(0, 1, ...), then recomputed ones, then kept ones: the backward reaches the offloaded layers last,
+and the reload of the highest offloaded layer hides under the backward of the layer above it.
+
+The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
+allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the
+batch descriptor and RoPE tables, the scheduler's two reload buffers), and on top of it, moment by
+moment, the rows the finished layers hold, the working layer's inputs and saved rows, its gradient
+buffers (BACKWARD_MOMENTS, dense.py frees each when dead), the kernels' own scratch (lora_linear_bwd's
+dy B and partial sums, linear_ce's logits chunk) and the lm_head/loss buffers. Budgets compare
+with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
+memory and its 512-byte rounding are not counted).
+
+Errors: PlanError when no plan fits the budget (it names the smallest peak and the fixes).
+Tested: tests/test_offload.py (CPU: the walk equals the bytes allocated during a step, allocation
+by allocation; the plan's kept bytes equal what the tape holds; planner choices) and
+tests/test_step.py (the table names exactly what a layer saves). GPU (written, not yet run on
+the device): measured peak <= budget and within 10% of the prediction.
+Caution: the kernel scratch rules below mirror kernels/lora_linear.py and kernels/linear_ce.py;
+the CPU test fails when they drift apart.
 """
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from ..kernels.gemm import NUM_SMS, interpreting
+from ..kernels.linear_ce import _default_chunk_rows
+from ..kernels.lora_linear import _GRAD, _block_r
+from .lora import TARGETS
+
+GiB = 1 << 30
+# Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to
+# 512 bytes (a few hundred live tensors: under 1 MiB), and a few scalars live outside the step.
+SLACK = 8 << 20
+KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
+# mode -> (policy of x, policy of every other saved row)
+MODES = {KEEP: (KEEP, KEEP), RECOMPUTE: (KEEP, RECOMPUTE), OFFLOAD: (OFFLOAD, RECOMPUTE)}
+
+
+class PlanError(ValueError):
+    pass
 
 
 class Row(NamedTuple):
     name: str
     shape: str  # in the legend's symbols; "R*" = one (N, R) per LoRA projection
     dtype: str  # "act" or "fp32"
-    policy: str  # "keep" | "offload" | "recompute"
     when: str = "always"  # "always" | "qk_norm" | "lora"
 
 
-PLAN = (
-    Row("x", "N,C", "act", "keep"),
-    Row("rstd1", "N", "fp32", "keep"),
-    Row("n1", "N,C", "act", "keep"),
-    Row("xa", "N,R*", "act", "keep", "lora"),
-    Row("q_pre", "N,H*D", "act", "keep", "qk_norm"),
-    Row("k_pre", "N,KVH*D", "act", "keep", "qk_norm"),
-    Row("rstd_q", "N*H", "fp32", "keep", "qk_norm"),
-    Row("rstd_k", "N*KVH", "fp32", "keep", "qk_norm"),
-    Row("q", "N,H*D", "act", "keep"),
-    Row("k", "N,KVH*D", "act", "keep"),
-    Row("v", "N,KVH*D", "act", "keep"),
-    Row("o", "N,H*D", "act", "keep"),
-    Row("lse", "H,N", "fp32", "keep"),
-    Row("mid", "N,C", "act", "keep"),
-    Row("rstd2", "N", "fp32", "keep"),
-    Row("n2", "N,C", "act", "keep"),
-    Row("gate", "N,F", "act", "keep"),
-    Row("up", "N,F", "act", "keep"),
-    Row("act", "N,F", "act", "keep"),
+PLAN = (  # what a layer saves: dense.Saved, in its field order
+    Row("x", "N,C", "act"),
+    Row("rstd1", "N", "fp32"),
+    Row("n1", "N,C", "act"),
+    Row("xa", "N,R*", "act", "lora"),
+    Row("q_pre", "N,H*D", "act", "qk_norm"),
+    Row("k_pre", "N,KVH*D", "act", "qk_norm"),
+    Row("rstd_q", "N*H", "fp32", "qk_norm"),
+    Row("rstd_k", "N*KVH", "fp32", "qk_norm"),
+    Row("q", "N,H*D", "act"),
+    Row("k", "N,KVH*D", "act"),
+    Row("v", "N,KVH*D", "act"),
+    Row("o", "N,H*D", "act"),
+    Row("lse", "H,N", "fp32"),
+    Row("mid", "N,C", "act"),
+    Row("rstd2", "N", "fp32"),
+    Row("n2", "N,C", "act"),
+    Row("gate", "N,F", "act"),
+    Row("up", "N,F", "act"),
+    Row("act", "N,F", "act"),
+)
+
+# What layer_forward holds at its return besides Saved: m, the down projection's output.
+FORWARD_EXTRA = (Row("m", "N,C", "act"),)
+
+# layer_backward's gradient buffers (dense.py) ...
+GRADS = (
+    Row("dact", "N,F", "act"), Row("dn2", "N,C", "act"), Row("do", "N,H*D", "act"),
+    Row("dq", "N,H*D", "act"), Row("dk", "N,KVH*D", "act"), Row("dv", "N,KVH*D", "act"),
+    Row("delta", "H,N", "fp32"), Row("dq_pre", "N,H*D", "act", "qk_norm"),
+    Row("dk_pre", "N,KVH*D", "act", "qk_norm"), Row("dn1", "N,C", "act"),
+)
+# ... and the moments when the most of them are alive, with the LoRA projections whose backward
+# scratch is alive then: (moment, live GRADS rows, projections).
+BACKWARD_MOMENTS = (
+    ("down", ("dact",), ("down",)),
+    ("gate/up", ("dn2",), ("gate", "up")),
+    ("o", ("do",), ("o",)),
+    ("attention", ("do", "dq", "dk", "dv", "delta"), ()),
+    ("qk-norm", ("dq", "dk", "dv", "dq_pre", "dk_pre"), ()),
+    ("q/k/v", ("dq", "dk", "dv", "dn1"), ("q", "k", "v")),  # dq, dk: dq_pre, dk_pre with QK-norm
 )
 
 
+def _sym(cfg, n_tokens, lora_rank, n_lora_targets):
+    return {"N": n_tokens, "C": cfg.hidden, "H": cfg.n_heads, "KVH": cfg.n_kv_heads, "D": cfg.head_dim,
+            "F": cfg.intermediate, "R*": lora_rank * n_lora_targets}
+
+
 def row_bytes(row, cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
-    """Bytes one layer spends on one row of the plan."""
+    """Bytes one layer spends on one row of a table."""
     if row.when == "qk_norm" and not cfg.qk_norm:
         return 0
     if row.when == "lora" and not n_lora_targets:
         return 0
-    sym = {"N": n_tokens, "C": cfg.hidden, "H": cfg.n_heads, "KVH": cfg.n_kv_heads, "D": cfg.head_dim,
-           "F": cfg.intermediate, "R*": lora_rank * n_lora_targets}
+    sym = _sym(cfg, n_tokens, lora_rank, n_lora_targets)
     numel = 1
     for dim in row.shape.split(","):
         size = 1
@@ -78,6 +154,258 @@ def row_bytes(row, cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
 
 
 def layer_bytes(cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
-    """What one layer's saved activations take on the GPU under the plan."""
-    return sum(row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets)
-               for r in PLAN if r.policy == "keep")
+    """What one layer's saved activations take on the GPU when it keeps every row."""
+    return sum(row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets) for r in PLAN)
+
+
+def _proj_dims(cfg, t):
+    """(in, out) of LoRA target projection t."""
+    C, F, Oq, Okv = cfg.hidden, cfg.intermediate, cfg.q_dim, cfg.kv_dim
+    return {"q": (C, Oq), "k": (C, Okv), "v": (C, Okv), "o": (Oq, C), "gate": (C, F), "up": (C, F),
+            "down": (F, C)}[t]
+
+
+def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
+    """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
+    fp32) and AdamW's moments m, v fp32 (runtime/optim.py)."""
+    P = cfg.n_layers * sum(lora_rank * sum(_proj_dims(cfg, t)) for t in lora_targets)
+    per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
+    return P * per
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _lora_partials(N, P, R):
+    """lora_linear._lora_grad's (S, P*R) fp32 partial sums."""
+    BP, BT = (32, 32) if interpreting() else _GRAD[:2]
+    chunk = BT * _cdiv(_cdiv(N, _cdiv(2 * NUM_SMS, _cdiv(P, BP))), BT)
+    return _cdiv(N, chunk) * P * R * 4
+
+
+def lora_bwd_scratch(N, K, O, R, act_bytes):
+    """What lora_linear_bwd allocates and frees inside: zero-padded A, B copies when R is not its
+    padded rank RP, dy B (N, RP), then the da partials and the db partials one after the other."""
+    if N == 0:
+        return 0
+    RP = _block_r(R)
+    pad = (RP * K + O * RP) * act_bytes if RP != R else 0
+    return pad + N * RP * act_bytes + max(_lora_partials(N, K, RP), _lora_partials(N, O, R))
+
+
+def linear_ce_scratch(N, V, C, act_bytes):
+    """linear_ce_fwd_bwd's logits chunk (rows, V) and per-row losses (N,) fp32."""
+    rows = max(1, min(_default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
+    return rows * V * act_bytes + N * 4
+
+
+def constant_bytes(cfg, n_tokens):
+    """The batch descriptor (at most 4N + 1 int32: ids, positions, targets, cu_seqlens) and the
+    RoPE tables (cos, sin (N, D/2) fp32; the model's inverse frequencies (D/2,) fp32)."""
+    N, half = n_tokens, cfg.head_dim // 2
+    return (4 * N + 1) * 4 + 2 * N * half * 4 + half * 4
+
+
+class Memory(NamedTuple):
+    """Predicted device bytes, by part; peak = their sum."""
+    weights: int  # frozen model tensors
+    lora: int  # LoRA params, grads, compute copy, AdamW moments
+    constants: int  # batch descriptor, RoPE tables
+    reload: int  # the offload scheduler's two (N, C) reload buffers
+    activations: int  # the step's own high-water mark above all of the above
+
+    @property
+    def peak(self):
+        return sum(self)
+
+
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
+    """The step's activation bytes moment by moment, as step.py and dense.py allocate and free
+    them; returns (high-water bytes, the moment it happens)."""
+    N, C, V = n_tokens, cfg.hidden, cfg.vocab
+    nt = len(lora_targets)
+    rb = lambda r: row_bytes(r, cfg, N, act_bytes, lora_rank, nt)  # noqa: E731
+    grads = {r.name: rb(r) for r in GRADS}
+    xb = N * C * act_bytes  # one (N, C) activation
+    full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
+    m = sum(rb(r) for r in FORWARD_EXTRA)
+    holds = {KEEP: full, RECOMPUTE: xb, OFFLOAD: 0}  # what a finished layer keeps on the GPU
+    scratch = {t: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes) for t in lora_targets}
+    best = [0, "nothing allocated"]
+
+    def at(moment, live):
+        if live > best[0]:
+            best[:] = [live, moment]
+
+    held = 0  # bytes the finished layers hold
+    for li, mode in enumerate(modes):
+        prev = modes[li - 1] if li else None
+        inputs = 0 if li == 0 else xb + (0 if prev == KEEP else xb)  # d, and s = mid unless kept
+        pending = xb if prev == OFFLOAD else 0  # the previous input, until its copy is retired
+        at(f"forward of layer {li}", held + pending + inputs + full + m)
+        held += holds[mode]
+    last = modes[-1]
+    final = 2 * xb + N * 4  # x_final, nf, rstd
+    s_d = xb + (0 if last == KEEP else xb)
+    at("final norm", held + (xb if last == OFFLOAD else 0) + s_d + final)
+    loss = 2 * 4
+    ce = linear_ce_scratch(N, V, C, act_bytes) + 4  # + the (1,) fp32 grad_scale it makes from a number
+    at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
+    at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
+    base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
+    for li in reversed(range(len(modes))):
+        mode = modes[li]
+        held -= holds[mode]
+        cur = full - (xb if mode == OFFLOAD else 0)  # an offloaded x lives in a reload buffer
+        if mode != KEEP:
+            at(f"recompute of layer {li}", held + base + cur + m)
+        for name, live, projs in BACKWARD_MOMENTS:
+            extra = max([scratch[t] for t in projs if t in scratch], default=0)
+            at(f"backward of layer {li} ({name})", held + base + cur + sum(grads[g] for g in live) + extra)
+    return best[0], best[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Per-layer modes for steps of up to n_tokens tokens, and the predicted memory."""
+    cfg: object  # ModelConfig
+    n_tokens: int  # the most tokens a batch may hold (the buffers are sized for it)
+    act_bytes: int
+    lora_rank: int
+    lora_targets: tuple
+    modes: tuple  # per layer: KEEP | RECOMPUTE | OFFLOAD
+    memory: Memory
+    peak_at: str  # the moment of the predicted peak
+    budget_bytes: Optional[int] = None
+
+    def policy(self, li, name):
+        """keep / offload / recompute of saved row `name` in layer li."""
+        x, rest = MODES[self.modes[li]]
+        return x if name == "x" else rest
+
+    @property
+    def offloaded(self):
+        return tuple(li for li, m in enumerate(self.modes) if m == OFFLOAD)
+
+    @property
+    def x_bytes(self):
+        return self.n_tokens * self.cfg.hidden * self.act_bytes
+
+    @property
+    def kept_bytes(self):
+        """Device bytes the layers hold at the end of the forward: rows whose policy is keep."""
+        full = layer_bytes(self.cfg, self.n_tokens, self.act_bytes, self.lora_rank, len(self.lora_targets))
+        return sum(full if m == KEEP else self.x_bytes if m == RECOMPUTE else 0 for m in self.modes)
+
+    @property
+    def host_bytes(self):
+        """Pinned host bytes: one (N, C) slot per offloaded layer."""
+        return len(self.offloaded) * self.x_bytes
+
+
+def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
+              optimizer=True, budget_bytes=None):
+    """The plan with these per-layer modes, and its predicted memory."""
+    modes = tuple(modes)
+    if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
+        raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
+    if n_tokens < 1:
+        raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
+    lora_targets = tuple(lora_targets) if lora_rank else ()
+    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets)
+    reload = 2 * n_tokens * cfg.hidden * act_bytes if OFFLOAD in modes else 0
+    mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
+                 constant_bytes(cfg, n_tokens), reload, act)
+    return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes)
+
+
+def _modes(L, n_offload, n_recompute):
+    return (OFFLOAD,) * n_offload + (RECOMPUTE,) * n_recompute + (KEEP,) * (L - n_offload - n_recompute)
+
+
+def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
+              optimizer=True):
+    """The cheapest plan whose predicted peak fits budget_bytes (None: all keep, no limit).
+    Raises PlanError when even offloading every layer's input does not fit."""
+    L = cfg.n_layers
+    kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, weights_bytes=weights_bytes,
+              optimizer=optimizer, budget_bytes=budget_bytes)
+    make = lambda n_off, n_rec: make_plan(cfg, n_tokens, _modes(L, n_off, n_rec), **kw)  # noqa: E731
+    fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
+    keep = make(0, 0)
+    if budget_bytes is None or fits(keep):
+        return keep
+    for k in range(1, L + 1):  # the fewest layers that must be recomputed (all of them offloaded) ...
+        if fits(make(k, 0)):
+            break
+    else:
+        least = make(L, 0)
+        raise PlanError(
+            f"VRAM budget {budget_bytes / GiB:.2f} GiB is too small for {n_tokens}-token steps: even with every "
+            f"layer's input offloaded the step needs {least.memory.peak / GiB:.2f} GiB ({_parts(least.memory)}; "
+            f"peak at {least.peak_at}). Raise the budget, pack fewer tokens per step (max_tokens), or use a "
+            f"smaller LoRA rank or fewer targets")
+    for n_off in range(k + 1):  # ... then the fewest of those offloaded
+        plan = make(n_off, k - n_off)
+        if fits(plan):
+            return plan
+    raise AssertionError("unreachable: n_off = k fits")
+
+
+def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True):
+    """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
+    from the model's tensors."""
+    seen, weights = set(), 0
+    for t in [model.embed, model.lm_head, model.norm] + [layer.buf for layer in model.layers]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    r, targets = (lora.r, lora.targets) if lora is not None else (0, ())
+    return plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
+                     act_bytes=model.dtype.itemsize, optimizer=optimizer)
+
+
+def _gib(b):
+    return f"{b / GiB:.2f} GiB"
+
+
+def _parts(mem):
+    return ", ".join(f"{name} {_gib(b)}" for name, b in zip(Memory._fields, mem))
+
+
+def _spans(modes):
+    """[(first, last, mode)] runs of equal modes."""
+    runs = []
+    for li, m in enumerate(modes):
+        if runs and runs[-1][2] == m:
+            runs[-1][1] = li
+        else:
+            runs.append([li, li, m])
+    return runs
+
+
+def format_plan(plan):
+    """The plan as a printable table: layer modes, every saved row with its bytes and policy per
+    mode in use, and the predicted peak by part."""
+    cfg, N, nt = plan.cfg, plan.n_tokens, len(plan.lora_targets)
+    used = [m for m in MODES if m in plan.modes]
+    budget = f"; budget {_gib(plan.budget_bytes)}" if plan.budget_bytes is not None else "; no budget"
+    out = [f"activation plan: {cfg.arch}, {cfg.n_layers} layers, N={N} tokens, {plan.act_bytes}-byte activations, "
+           f"LoRA r={plan.lora_rank} on {nt} projections{budget}"]
+    for first, last, m in _spans(plan.modes):
+        out.append(f"  {f'layers {first}-{last}' if last > first else f'layer {first}'}: {m}")
+    out.append("| tensor | shape | dtype | MiB/layer | " + " | ".join(used) + " |")
+    out.append("|---" * (4 + len(used)) + "|")
+    for r in PLAN:
+        b = row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, nt)
+        if b == 0:
+            continue
+        pol = [MODES[m][0 if r.name == "x" else 1] for m in used]
+        out.append(f"| {r.name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
+                   + " | ".join(pol) + " |")
+    full = layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, nt)
+    out.append(f"saved per kept layer {full / 2**20:.1f} MiB; kept on the GPU after the forward "
+               f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
+    out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")
+    return "\n".join(out)

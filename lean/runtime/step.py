@@ -2,8 +2,19 @@
 
 Read it top to bottom. The tape is the whole autograd engine: forward records, per layer, the
 backward function and what the activation plan (lean/runtime/plan.py) says to save; backward
-replays the records in reverse. Nothing here reads back from the device: the loss stays a device
+pops the records in reverse. Nothing here reads back from the device: the loss stays a device
 tensor, and the target count is a host int from the batch descriptor.
+
+With a plan (plan=, from plan.plan_step / plan_for), each layer runs in its mode, and the two
+loops show where it happens:
+    keep       the tape holds the layer's Saved tuple (the default, plan=None)
+    recompute  the tape holds only the layer input x; backward reruns layer_forward from it
+    offload    forward copies x to pinned host memory (sched.offload, on a copy stream; retired a
+               layer later), the tape holds nothing; backward reloads x one layer ahead
+               (sched.prefetch before the layer above runs its backward, sched.wait before use),
+               then recomputes as above
+The recomputed Saved is bit-identical to the forward's (same kernels, inputs and dropout seeds),
+so the gradients are the same bits with or without a plan (tests/test_offload.py).
 """
 import math
 
@@ -14,23 +25,20 @@ from ..kernels.gemm import matmul
 from ..kernels.linear_ce import linear_ce_fwd_bwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
-from ..models.dense import Ctx, layer_backward, layer_forward
+from ..models.dense import Ctx, Saved, layer_backward, layer_forward
+from .offload import scheduler
+from .plan import KEEP, OFFLOAD, RECOMPUTE
 
 
 class Tape:
-    """The minimal autograd engine: a list of (backward, saved, args), replayed in reverse."""
+    """The minimal autograd engine: a list of (backward, saved, args), popped in reverse by
+    _backward_layers. saved: the layer's Saved (keep), its input x (recompute) or None (offload)."""
 
     def __init__(self):
         self.records = []
 
     def record(self, backward, saved, *args):
         self.records.append((backward, saved, args))
-
-    def replay(self, g):
-        while self.records:
-            backward, saved, args = self.records.pop()  # popping frees each layer's activations
-            g = backward(g, saved, *args)
-        return g
 
 
 def rope_tables(model, batch):
@@ -63,32 +71,65 @@ def make_ctx(model, lora, batch, seed=0):
     )
 
 
-def _forward_layers(model, lora, batch, ctx, tape):
+def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     cfg = model.config
-    N = batch.n_tokens
+    N, L = batch.n_tokens, cfg.n_layers
+    modes = plan.modes if plan is not None else (KEEP,) * L
     s = torch.empty(N, cfg.hidden, dtype=model.dtype, device=model.device)  # (N, C)
     embedding_fwd(s, batch.ids, model.embed)
     d = None
     for li, w in enumerate(model.layers):
         ads = lora.layers[li] if lora is not None else {}
         (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg)
-        if tape is not None:
-            tape.record(layer_backward, saved, w, ads, ctx, li, cfg)
+        if tape is None:
+            continue
+        if modes[li] == OFFLOAD:
+            sched.offload(li, saved.x)  # D2H on the copy stream, under layer li+1's forward
+            saved = None  # the rest is recomputed in backward
+        elif modes[li] == RECOMPUTE:
+            saved = saved.x  # keep the input only
+        if sched is not None:
+            sched.retire(li - 1)  # compute waits for layer li-1's copy (done by now); its x is freed
+        tape.record(layer_backward, saved, w, ads, ctx, li, cfg)
     # final norm, fused with the last residual add
     x_final = torch.empty_like(s)  # (N, C)
     nf = torch.empty_like(s)  # (N, C)
     rstd = torch.empty(N, dtype=torch.float32, device=s.device)
     rmsnorm_fwd(nf, rstd, s, model.norm, cfg.rms_eps, residual=d, h=x_final)
+    if sched is not None:
+        sched.retire(L - 1)
+        if modes[L - 1] == OFFLOAD:
+            sched.prefetch(L - 1)  # the last layer's reload runs under the lm_head + loss
     return nf, x_final, rstd
 
 
-def forward_backward(model, lora, batch, *, grad_scale=None, seed=None):
+def _backward_layers(g, tape, plan=None, sched=None):
+    """Every layer's backward, last to first; g = dL/d(stream) is updated in place."""
+    modes = plan.modes if plan is not None else None
+    while tape.records:
+        backward, saved, args = tape.records.pop()  # popping frees each layer's activations
+        w, ads, ctx, li, cfg = args
+        if modes is not None and li > 0 and modes[li - 1] == OFFLOAD:
+            sched.prefetch(li - 1)  # H2D of the next layer's input, under this layer's backward
+        if saved is None:
+            saved = sched.wait(li)  # offloaded: this layer's input, reloaded
+        if not isinstance(saved, Saved):
+            saved = layer_forward(saved, None, w, ads, ctx, li, cfg)[1]  # recompute from the input
+        g = backward(g, saved, *args)
+        if modes is not None and modes[li] == OFFLOAD:
+            sched.release(li)  # its reload buffer may be refilled
+    return g
+
+
+def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=None):
     """Loss and LoRA gradients for one packed batch.
 
     Gradients of grad_scale * (sum of token losses) are ADDED to lora.grads (call lora.zero_grad()
     at the start of an optimizer step). grad_scale defaults to 1 / batch.n_targets (the mean loss,
-    as HF computes it); for gradient accumulation pass 1 / (targets over the whole step).
+    as HF computes it); for gradient accumulation pass 1 / (targets over the whole step). It may
+    be a (1,) fp32 device tensor, read on the device (a captured graph's per-step value).
     Returns (loss_sum, n_targets): loss_sum a (1,) fp32 device tensor, n_targets a host int.
+    plan: the activation plan (plan.plan_for); None keeps every layer's activations.
     """
     if grad_scale is None:
         grad_scale = 1.0 / max(batch.n_targets, 1)
@@ -96,13 +137,15 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None):
         seed = lora.next_seed() if lora is not None else 0
     ctx = make_ctx(model, lora, batch, seed)
     tape = Tape()
-    nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape)
+    sched = scheduler(model, plan, batch.n_tokens)  # None unless the plan offloads
+    nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape, plan, sched)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
     linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
-    tape.replay(g)  # backward: every layer in reverse
+    del nf, dnf, x_final, rstd  # dead: their memory serves the layers' backward (plan.py counts on it)
+    _backward_layers(g, tape, plan, sched)  # backward: every layer in reverse
     return loss[0:1], batch.n_targets
 
 

@@ -1,0 +1,331 @@
+"""The activation plan, the VRAM-budget planner and the offload scheduler.
+
+CPU (interpreter, float32, tiny models): offload + recompute give the same loss and LoRA gradients
+as keeping everything, bit for bit; the planner's walk equals the bytes the step really allocates,
+allocation by allocation; the plan's kept and host bytes equal what the tape and the scheduler hold.
+Planner unit tests on real configs (pure arithmetic). GPU (`gpu` marker): bit equality with the
+asynchronous scheduler on a real-size config, no host sync, measured peak <= budget and within 10%
+of the prediction, and a CUDA-graph capture of the planned step equal to the eager one.
+"""
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import lean
+from lean.models.config import config_from_hf
+from lean.models.weights import empty_model
+from lean.runtime import offload
+from lean.runtime.plan import (
+    GiB, KEEP, OFFLOAD, PLAN, RECOMPUTE, SLACK, PlanError, format_plan, layer_bytes, make_plan, plan_for,
+    plan_step, row_bytes,
+)
+from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
+from tests.hf_models import tiny_config
+from tests.util import fresh_generator
+
+K, R, O = KEEP, RECOMPUTE, OFFLOAD
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)
+LLAMA_32_3B = dict(
+    architectures=["LlamaForCausalLM"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+    num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192},
+)
+
+
+def _tiny(arch, n_layers):
+    d = tiny_config(arch).to_dict()
+    d.pop("layer_types", None)
+    return d | {"num_hidden_layers": n_layers, "architectures": [HF_ARCH[arch]]}
+
+
+def _randint(gen, high):
+    return int(torch.randint(0, high, (1,), generator=gen, device=gen.device))
+
+
+def _model(config, gen, dtype=torch.float32, device="cpu"):
+    """A lean model with random weights (norms near 1) and nothing of HF but the config."""
+    model = empty_model(config_from_hf(config), dtype, device)
+    for _, t in model.hf_tensors():
+        r = torch.randn(t.shape, generator=gen, device=gen.device)
+        t.copy_((1.0 + 0.1 * r) if t.dim() == 1 else 0.02 * r)
+    return model
+
+
+def _lora(model, r, dropout, gen):
+    lora = lean.LoRA.init(model, r=r, alpha=2 * r, dropout=dropout, seed=_randint(gen, 2**30))
+    lora.params.add_(0.02 * torch.randn(lora.params.shape, generator=gen, device=gen.device))
+    lora.sync_lowp()
+    return lora
+
+
+def _batch(model, gen, total, device="cpu", mean=None):
+    rng = np.random.default_rng(_randint(gen, 2**30))
+    docs, left = [], total
+    while left > 0:
+        n = min(left, max(1, int(rng.exponential(mean or total / 3))))
+        docs.append(rng.integers(0, model.config.vocab, n).tolist())
+        left -= n
+    return lean.pack(docs, max_tokens=total, device=device)
+
+
+def _weights_bytes(cfg, act_bytes=2):
+    C, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
+    per = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C + 3 * C * F + 2 * C + 2 * cfg.head_dim * cfg.qk_norm
+    return act_bytes * (cfg.n_layers * per + V * C * (1 if cfg.tie_embeddings else 2) + C)
+
+
+class LiveBytes:
+    """The CPU stand-in for torch.cuda.max_memory_allocated: counts every tensor torch's factories
+    make while active, until the tensor dies."""
+    FACTORIES = ("empty", "zeros", "empty_like", "zeros_like")
+
+    def __init__(self):
+        self.live = self.peak = self.count = 0
+
+    def _free(self, n):
+        self.live -= n
+
+    def _wrap(self, fn):
+        def made(*args, **kwargs):
+            t = fn(*args, **kwargs)
+            n = t.numel() * t.element_size()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            self.count += 1
+            weakref.finalize(t, self._free, n)
+            return t
+        return made
+
+    def __enter__(self):
+        self.orig = {f: getattr(torch, f) for f in self.FACTORIES}
+        for f, fn in self.orig.items():
+            setattr(torch, f, self._wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for f, fn in self.orig.items():
+            setattr(torch, f, fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the scheduler's logic with synchronous copies, and the walk against real allocations
+
+@pytest.mark.parametrize("arch,r,dropout,modes", [
+    ("qwen3", 16, 0.0, (O, O, O)),  # QK-norm; three slots share two reload buffers; last layer offloaded
+    ("llama", 8, 0.1, (O, R, K)),  # dropout masks regenerated in the recompute; padded rank 8; every mode
+], ids=["qwen3-offload-all", "llama-mixed"])
+def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
+    gen = fresh_generator("cpu")
+    model = _model(_tiny(arch, len(modes)), gen)
+    lora = _lora(model, r, dropout, gen)
+    batch = _batch(model, gen, 40 + _randint(gen, 24))
+    N, cfg = batch.n_tokens, model.config
+    plan = make_plan(cfg, 64, modes, lora_rank=r, lora_targets=lora.targets, act_bytes=4)  # buffers for 64
+    sched = offload.scheduler(model, plan, N)  # built once, before the step (as a warm-up would)
+    for t in [sched.host, *sched.reload]:
+        t.fill_(float("nan"))  # a skipped copy cannot pass unnoticed
+    rope_tables(model, batch)  # per-batch constants, built before counting
+
+    results = []
+    for p in (None, plan):
+        lora.zero_grad()
+        with LiveBytes() as lb:
+            loss, _ = lean.forward_backward(model, lora, batch, seed=7, plan=p)
+        results.append((loss.clone(), lora.grads.clone(), lb.peak))
+        predicted = make_plan(cfg, N, p.modes if p else (K,) * cfg.n_layers, lora_rank=r,
+                              lora_targets=lora.targets, act_bytes=4)
+        assert lb.peak == predicted.memory.activations, (
+            f"{p and p.modes}: allocated peak {lb.peak} B != predicted {predicted.memory.activations} B "
+            f"(at {predicted.peak_at}): plan.py's walk and the step disagree")
+        assert lb.live == 2 * 4, f"{lb.live} B alive after the step: only the (2,) loss buffer should be"
+    (loss0, grads0, peak0), (loss1, grads1, peak1) = results
+    assert torch.isfinite(grads0).all() and grads0.abs().max() > 0
+    assert torch.equal(loss0, loss1), f"loss {loss0.item()} (keep) vs {loss1.item()} (plan {modes})"
+    diff = (grads0 - grads1).abs().max().item()
+    assert torch.equal(grads0, grads1), f"LoRA gradients differ by up to {diff:.3e} under plan {modes}"
+    assert peak1 < peak0
+
+
+def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("qwen2", 3), gen)
+    lora = _lora(model, 4, 0.0, gen)
+    batch = _batch(model, gen, 23)
+    plan = make_plan(model.config, batch.n_tokens, (O, R, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    sched = offload.scheduler(model, plan, batch.n_tokens)
+    tape = Tape()
+    _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape, plan, sched)
+    held = {}
+    for _, saved, _ in tape.records:
+        items = [saved] if isinstance(saved, torch.Tensor) else [] if saved is None else saved
+        for t in items:
+            for u in (t.values() if isinstance(t, dict) else [t]):
+                if u is not None:
+                    held[u.data_ptr()] = u.numel() * u.element_size()
+    assert [type(s).__name__ for _, s, _ in tape.records] == ["NoneType", "Tensor", "Saved"]
+    assert sum(held.values()) == plan.kept_bytes
+    assert sched.host.numel() * sched.host.element_size() == plan.host_bytes
+    # what went to the host is layer 0's input: the embedding rows of the batch
+    assert torch.equal(sched.host[0], model.embed[batch.ids.long()])
+    with pytest.raises(offload.OffloadError, match="made for at most"):
+        offload.scheduler(model, plan, batch.n_tokens + 1)
+    with pytest.raises(offload.OffloadError, match="make it for this model"):
+        offload.scheduler(model, make_plan(config_from_hf(_tiny("qwen2", 2)), 8, (O, K), lora_rank=4), 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner (arithmetic only)
+
+@pytest.mark.parametrize("config", [QWEN3_8B, LLAMA_32_3B], ids=["qwen3-8b", "llama-3.2-3b"])
+def test_planner_picks_the_cheapest_plan_that_fits(config):
+    cfg = config_from_hf(config)
+    L, N, w = cfg.n_layers, 8192, _weights_bytes(cfg)
+    keep = make_plan(cfg, N, (K,) * L, lora_rank=16, weights_bytes=w)
+    least = make_plan(cfg, N, (O,) * L, lora_rank=16, weights_bytes=w)
+    assert plan_step(cfg, N, 16, None, w).modes == (K,) * L
+    assert plan_step(cfg, N, 16, keep.memory.peak + SLACK, w).modes == (K,) * L
+    gen = fresh_generator("cpu")
+    for frac in torch.rand(4, generator=gen).tolist():
+        budget = int(least.memory.peak + SLACK + frac * (keep.memory.peak - least.memory.peak))
+        plan = plan_step(cfg, N, 16, budget, w)
+        n_rec = sum(m != K for m in plan.modes)
+        n_off = plan.modes.count(O)
+        assert plan.modes == (O,) * n_off + (R,) * (n_rec - n_off) + (K,) * (L - n_rec)
+        assert plan.memory.peak + SLACK <= budget, format_plan(plan)
+        fewer_rec = make_plan(cfg, N, (O,) * (n_rec - 1) + (K,) * (L - n_rec + 1), lora_rank=16, weights_bytes=w)
+        assert fewer_rec.memory.peak + SLACK > budget, "a plan recomputing fewer layers fits"
+        if n_off:
+            fewer_off = make_plan(cfg, N, (O,) * (n_off - 1) + (R,) * (n_rec - n_off + 1) + (K,) * (L - n_rec),
+                                  lora_rank=16, weights_bytes=w)
+            assert fewer_off.memory.peak + SLACK > budget, "a plan offloading fewer layers fits"
+    with pytest.raises(PlanError, match=r"too small .* needs \d+\.\d+ GiB"):
+        plan_step(cfg, N, 16, least.memory.peak, w)
+
+
+def test_plan_bytes_are_the_sum_of_its_policies():
+    gen = fresh_generator("cpu")
+    cfg = config_from_hf(QWEN3_8B)
+    N = 1 + _randint(gen, 9000)
+    modes = tuple([O, R, K][i] for i in torch.randint(0, 3, (cfg.n_layers,), generator=gen).tolist())
+    plan = make_plan(cfg, N, modes, lora_rank=16)
+    rb = {r.name: row_bytes(r, cfg, N, 2, 16, 7) for r in PLAN}
+    kept = sum(rb[r.name] for li in range(cfg.n_layers) for r in PLAN if plan.policy(li, r.name) == K)
+    host = sum(rb[r.name] for li in range(cfg.n_layers) for r in PLAN if plan.policy(li, r.name) == O)
+    assert plan.kept_bytes == kept
+    assert plan.host_bytes == host == modes.count(O) * N * cfg.hidden * 2
+    assert plan.memory.reload == (2 * N * cfg.hidden * 2 if O in modes else 0)
+    assert layer_bytes(cfg, N, 2, 16, 7) == sum(rb.values())
+    # an activation peak can never be below what the finished layers keep plus one layer's rows
+    assert plan.memory.activations > kept
+    text = format_plan(plan)
+    assert "predicted peak" in text and f"N={N} tokens" in text and "| gate |" in text
+    with pytest.raises(PlanError, match="expected 36"):
+        make_plan(cfg, N, modes[:-1], lora_rank=16)
+
+
+def test_llama_3b_fits_8_gib_and_plan_for_counts_the_model():
+    cfg = config_from_hf(LLAMA_32_3B)
+    plan = plan_step(cfg, 8192, 16, 8 * GiB, _weights_bytes(cfg))
+    assert plan.memory.peak + SLACK <= 8 * GiB and O in plan.modes
+    print(format_plan(plan))
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("llama", 2), gen, dtype=torch.float16)
+    lora = lean.LoRA.init(model, r=4, alpha=8)
+    p = plan_for(model, lora, 64)
+    assert p.memory.weights == _weights_bytes(model.config) and p.act_bytes == 2
+    assert p.memory.lora == lora.numel * (4 + 4 + 2 + 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the asynchronous scheduler on real sizes
+
+def _gpu_setup(config, n_layers, tokens, dropout, seed_gen):
+    model = _model(config | {"num_hidden_layers": n_layers}, seed_gen, torch.bfloat16, "cuda")
+    lora = _lora(model, 16, dropout, seed_gen)
+    batch = _batch(model, seed_gen, tokens, device="cuda", mean=512)
+    return model, lora, batch
+
+
+def _step(model, lora, batch, plan, opt=None):
+    lora.zero_grad()
+    loss, _ = lean.forward_backward(model, lora, batch, seed=11, plan=plan)
+    if opt is not None:
+        opt.step()
+    return loss
+
+
+@pytest.mark.gpu
+def test_offload_bitwise_and_no_sync_gpu():
+    gen = fresh_generator("cuda")
+    model, lora, batch = _gpu_setup(QWEN3_8B, 4, 8192, 0.1, gen)
+    ref = _step(model, lora, batch, None).clone(), lora.grads.clone()
+    for modes in [(O, O, O, O), (O, O, R, K)]:
+        plan = plan_for(model, lora, 8192)
+        plan = make_plan(model.config, 8192, modes, lora_rank=16, lora_targets=lora.targets,
+                         weights_bytes=plan.memory.weights)
+        _step(model, lora, batch, plan)  # warm-up: builds the scheduler (pinned memory is a sync)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = _step(model, lora, batch, plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(loss, ref[0]), f"{modes}: loss {loss.item()} vs {ref[0].item()}"
+        assert torch.equal(lora.grads, ref[1]), f"{modes}: max diff {(lora.grads - ref[1]).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,n_layers", [(LLAMA_32_3B, 8), (QWEN3_8B, 5)], ids=["llama-3.2-3b", "qwen3-8b"])
+def test_measured_peak_within_budget_and_prediction_gpu(config, n_layers):
+    gen = fresh_generator("cuda")
+    model, lora, batch = _gpu_setup(config, n_layers, 8192, 0.0, gen)
+    opt = lean.AdamW(lora, lr=1e-4)
+    keep = plan_for(model, lora, 8192)
+    full = layer_bytes(model.config, 8192, 2, 16, 7)
+    budget = keep.memory.peak - int(2.5 * full)  # forces offload/recompute of about three layers
+    plan = plan_for(model, lora, 8192, budget)
+    print(format_plan(plan))
+    assert O in plan.modes or R in plan.modes
+    _step(model, lora, batch, plan, opt)  # warm-up: compiles, builds the scheduler and RoPE tables
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _step(model, lora, batch, plan, opt)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    act, pred = peak - before, plan.memory.activations
+    print(f"measured peak {peak / GiB:.3f} GiB (activations {act / GiB:.3f}), predicted "
+          f"{plan.memory.peak / GiB:.3f} GiB ({pred / GiB:.3f}), budget {budget / GiB:.3f} GiB")
+    assert peak <= budget
+    assert abs(act - pred) <= 0.10 * pred, f"activations measured {act} B vs predicted {pred} B"
+    assert abs(peak - plan.memory.peak) <= 0.10 * plan.memory.peak
+    assert abs(before - (plan.memory.peak - pred)) <= 0.01 * before, "persistent state mispredicted"
+
+
+@pytest.mark.gpu
+def test_planned_step_captures_in_a_cuda_graph_gpu():
+    gen = fresh_generator("cuda")
+    config = QWEN3_8B | dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, vocab_size=32000)
+    model, lora, batch = _gpu_setup(config, 3, 2048, 0.0, gen)
+    plan = make_plan(model.config, 2048, (O, O, R), lora_rank=16, lora_targets=lora.targets)
+    eager = _step(model, lora, batch, plan).clone(), lora.grads.clone()
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            loss = _step(model, lora, batch, plan)
+    torch.cuda.current_stream().wait_stream(side)
+    lora.grads.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(loss, eager[0]) and torch.equal(lora.grads, eager[1])

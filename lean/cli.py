@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quiet", action="store_true", help="no progress bar, report or samples printed")
     a("--sample-prompt", default=d.sample_prompt, help="prompt of the greedy sample before/after training")
     a("--sample-tokens", type=int, default=d.sample_tokens, help="new tokens per sample (0: no samples)")
+    a("--vram-budget", type=float, help="GiB the step may use: layers are recomputed or offloaded to "
+      "pinned host memory to fit (the plan and predicted peak are printed first)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers)")
@@ -82,7 +84,7 @@ def config_from_args(args):
         seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
         heldout_fraction=args.heldout, dtype=args.dtype, device=args.device, resume=args.resume,
         progress=not args.quiet, sample_prompt=args.sample_prompt, sample_tokens=args.sample_tokens,
-        tensorboard=not args.no_tensorboard)
+        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget)
 
 
 def merge_run(cfg, adapter_dir):

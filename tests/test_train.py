@@ -234,3 +234,21 @@ def test_single_file_script_runs(setup, tmp_path):
     bad = subprocess.run([sys.executable, "tools/train_lora.py", "nope=1"], capture_output=True, text=True,
                          env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert bad.returncode != 0 and "unknown argument 'nope=1'" in bad.stderr
+
+
+def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
+    """--vram-budget just under the all-keep peak: the planner recomputes/offloads a layer, prints
+    its plan, and the per-step losses equal the unplanned run's (bitwise on CPU)."""
+    from lean.runtime.plan import SLACK, plan_for
+
+    plain = _cfg(setup, "budget-off", steps=3, seed=11)
+    T.train(plain)
+    model = T.load_model(plain.model, dtype=T.torch.float32, device="cpu")
+    lora = T.LoRA.init(model, r=plain.r, alpha=plain.alpha, targets=plain.targets, seed=plain.seed)
+    keep_peak = plan_for(model, lora, plain.max_tokens).memory.peak
+    budget = (keep_peak + SLACK - 1) / 2**30  # one byte short of the all-keep plan (with the planner's slack)
+    planned = _cfg(setup, "budget-on", steps=3, seed=11, vram_budget=budget, progress=True)
+    T.train(planned)
+    printed = capsys.readouterr().out
+    assert "predicted peak" in printed and ("offload" in printed or "recompute" in printed)
+    assert _metrics(T.Path(planned.out_dir), "train") == _metrics(T.Path(plain.out_dir), "train")

@@ -56,6 +56,7 @@ from .loader import load_model, resolve_model_dir
 from .lora import LoRA
 from .observe import METRICS, Metrics, Progress, sample
 from .optim import AdamW
+from .plan import format_plan, plan_for
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
 
@@ -98,6 +99,7 @@ class TrainConfig:
     sample_prompt: str = "What is your name?"  # greedy sample before and after training
     sample_tokens: int = 32       # new tokens per sample (0: no samples)
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
+    vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: keep all)
 
 
 # ---------------------------------------------------------------- setup
@@ -259,6 +261,11 @@ def train(cfg: TrainConfig) -> dict:
     lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
                      seed=cfg.seed)
     opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    plan = None
+    if cfg.vram_budget is not None:
+        plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
+        if cfg.progress:
+            print(format_plan(plan), flush=True)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     step, epoch, index = 0, 0, 0
@@ -273,14 +280,15 @@ def train(cfg: TrainConfig) -> dict:
     with Metrics(out, tensorboard=cfg.tensorboard) as metrics:
         try:
             before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if step == 0 else None
-            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab)
+            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan)
             if result["eval_loss_before"] is not None:
                 say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
             result["sample_before"] = before
             result["sample_after"] = _sample(cfg, model, lora, tok, metrics, result["step"], "after", say)
         except torch.cuda.OutOfMemoryError as e:
             raise TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens "
-                             "(raise --grad-accum to keep the tokens per step)") from e
+                             "(raise --grad-accum to keep the tokens per step), or set --vram-budget GiB "
+                             "to recompute/offload activations") from e
     lora.save(out / "adapter")
     result["adapter"] = str(out / "adapter")
     return result
@@ -306,7 +314,7 @@ def _state(cfg, step, epoch, index, lora_steps):
             "config": asdict(cfg)}
 
 
-def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab):
+def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None):
     out = Path(cfg.out_dir)
     eval_loss = eval_before = None
     if eval_batches and step == 0:
@@ -330,7 +338,7 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             lora.zero_grad()
             sums = []  # device tensors, read once at the log point
             for b in batches:
-                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1))
+                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1), plan=plan)
                 sums.append(loss_sum)
             lr = lr_at(step + 1, cfg)
             in_update = True

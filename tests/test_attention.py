@@ -143,6 +143,22 @@ def test_attention_bwd_deterministic(size):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
+@pytest.mark.parametrize("size", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_attention_fixed_shape_slots_bit_equal(size):
+    # A CUDA graph's batch: the same documents plus empty slots at the end and max_seqlen = N.
+    # The work walk (_work_item) must give the very same bits as the tight descriptor.
+    lengths, H, KVH, D, slots = ([37, 1, 20, 0, 9], 4, 2, 32, 16) if size == "cpu" else \
+        ([700, 1, 300, 2000, 5], 16, 8, 128, 64)
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g)
+    N = q.shape[0]
+    cu_slots = torch.cat([cu, cu[-1:].repeat(slots - len(lengths))])
+    tight = _run(q, k, v, do, cu, max(lengths), D ** -0.5)
+    fixed = _run(q, k, v, do, cu_slots, N, D ** -0.5)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), tight, fixed):
+        assert torch.equal(a, b), f"{name}: {slots} document slots and max_seqlen = N change the result"
+
+
 # ---- launcher rejections -------------------------------------------------------------------
 
 def _valid_args(N=8, H=4, KVH=2, D=32, dtype=torch.float32, device=DEVICE):

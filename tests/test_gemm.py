@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import lean.kernels.gemm as G
 from lean.kernels.gemm import matmul
 from tests.reference.lora_linear import matmul_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -81,6 +82,25 @@ def test_matmul_gpu_sizes(M, N, K):
     g = fresh_generator()
     _run_and_compare(M, N, K, torch.bfloat16, False, True, with_bias=True, accumulate=False, alpha=1.0, g=g)
     _run_and_compare(M, N, K, torch.bfloat16, False, False, with_bias=False, accumulate=True, alpha=1.0, g=g)
+
+
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("with_bias,accumulate,alpha", [(False, False, 1.0), (True, True, 0.5)])
+def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
+    """The Hopper TMA kernel (chosen on an sm_90 GPU for 16-bit row-major a, aligned rows, at least
+    a wave of tiles and TMA_MIN_MACS) for x W^T (tb) and dy W: on the CPU through the interpreter with the
+    choice forced, on the GPU as chosen. Fails if the TMA kernel did not run."""
+    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are below the size that picks TMA
+    if DEVICE == "cpu":
+        monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+        monkeypatch.setattr(G, "NUM_SMS", 1)
+    calls = []
+    run = G._matmul_tma
+    monkeypatch.setattr(G, "_matmul_tma", lambda *args: calls.append(1) or run(*args))
+    M, N, K = (200, 264, 72) if DEVICE == "cpu" else (4100, 8200, 1032)
+    _run_and_compare(M, N, K, LOWP, False, tb, with_bias=with_bias, accumulate=accumulate, alpha=alpha,
+                     g=fresh_generator())
+    assert calls, "the TMA kernel did not run"
 
 
 def test_matmul_rejects_bad_arguments():

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import lean.kernels.gemm as G
+import lean.kernels.lora_linear as L
 from lean.kernels.lora_linear import (linear_bwd, linear_fwd, lora_dropout_mask, lora_linear_bwd,
                                       lora_linear_fwd)
 from tests.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
@@ -192,6 +194,42 @@ def test_lora_linear_gpu_sizes(N, K, O, R, with_bias, p):
     outs = [y, xa, dx, da.bfloat16(), db.bfloat16()]
     _check_all(list(zip(["y", "xa", "dx", "da", "db"], outs, [y_ref, xa_ref, *grads_ref],
                         [y_low, xa_low, *grads_low])))
+
+
+def _spy(monkeypatch, module, name, calls):
+    """Count calls of module.name (still calling it)."""
+    fn = getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(name)
+        return fn(*args, **kw)
+    monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
+def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
+    """The Hopper TMA kernels (chosen on an sm_90 GPU for 16-bit, p = 0, 16-byte aligned rows, big
+    enough problems) against torch, dx accumulation included: on the CPU through the interpreter with the choice
+    forced, on the GPU as chosen. Fails if either TMA kernel did not run."""
+    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are far below the size that picks TMA
+    if DEVICE == "cpu":
+        monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    calls = []
+    _spy(monkeypatch, L, "_fwd_tma", calls)
+    _spy(monkeypatch, L, "_bwd_tma", calls)
+    test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
+    assert calls == ["_fwd_tma", "_bwd_tma"], f"TMA kernels not used: {calls}"
+    g = fresh_generator()
+    x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
+    xa = (x.float() @ a.float().t()).to(LOWP)
+    da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
+    fresh, acc = torch.empty(N, K, device=DEVICE, dtype=LOWP), randn(N, K, g=g, dtype=LOWP)
+    poison(fresh)
+    prev = acc.clone()
+    lora_linear_bwd(fresh, da, db, dy, x, xa, w, a, b, 0.5)
+    lora_linear_bwd(acc, da, db, dy, x, xa, w, a, b, 0.5, accumulate_dx=True)
+    assert_close_rule(acc, prev.double() + fresh.double(), (prev.float() + fresh.float()).to(LOWP),
+                      name="dx accumulated")
 
 
 def test_lora_linear_rejects_bad_arguments():

@@ -5,6 +5,8 @@
     python tools/bench.py kernels --smoke          # CPU: interpreter, tiny sizes, no timings
     python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
     python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
+    python tools/bench.py step --graph [--budget G] --peers ""   # lean and lean+graph only
+    python tools/bench.py step --profile [--graph]  # lean's GPU time per kernel family (bench_profile.py)
 
 How a number is taken:
   * time = median of triton.testing.do_bench(fn, warmup, rep) (it flushes L2 between calls);
@@ -777,6 +779,29 @@ def cmd_kernels(args):
     print_table(B.rows, args.smoke)
 
 
+def cmd_profile(models, layouts, args):
+    """bench_profile.py for each (model, layout), each in its own process (its own memory and
+    caches); --json PATH writes PATH with _<model>_<layout> before the extension."""
+    import subprocess
+
+    if args.smoke:
+        raise SystemExit("bench step --profile needs a CUDA GPU: --smoke checks the step harness only")
+    rc = 0
+    for m in models:
+        for layout in layouts:
+            cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_profile.py"),
+                   m, layout, "--steps", str(args.steps or 5)] + ["--graph"] * args.graph
+            if args.budget is not None:
+                cmd += ["--budget", str(args.budget)]
+            if args.json:
+                stem, ext = os.path.splitext(args.json)
+                cmd += ["--json", f"{stem}_{m}_{layout}{ext or '.json'}"]
+            print(f"# bench profile {m} {layout}", flush=True)
+            rc = subprocess.run(cmd, timeout=args.timeout).returncode or rc
+    if rc:
+        raise SystemExit(f"bench step --profile: a profile process failed (exit {rc}; its traceback above)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
@@ -792,7 +817,10 @@ def main():
     st.add_argument("--steps", type=int, help="timed steps after the warm-up (default 8; --smoke: 1)")
     st.add_argument("--timeout", type=int, default=300, help="seconds one row's process may take")
     st.add_argument("--json", help="write the rows to this path")
-    st.add_argument("--graph", action="store_true", help="also time a CUDA-graph replay of lean's forward+backward")
+    st.add_argument("--graph", action="store_true", help="also lean+graph: the whole step replayed from lean.StepGraph")
+    st.add_argument("--budget", type=float, help="lean only: VRAM budget (GiB) for the activation plan (plan_for)")
+    st.add_argument("--profile", action="store_true", help="instead of the table: lean's GPU time per kernel family "
+                    "per step, one model/layout per process (tools/bench_profile.py; default layout packed)")
     st.add_argument("--smoke", action="store_true", help="CPU, tiny configs, interpreter, no timing claims")
     args = p.parse_args()
     if args.smoke:  # before anything imports triton
@@ -804,9 +832,12 @@ def main():
         split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
         models = split(args.models or ("qwen3-0.6b" if args.smoke else "qwen3-0.6b,llama-3.2-1b"))
         layouts = split(args.layouts or ("packed" if args.smoke else "packed,padded"))
+        if args.profile:
+            layouts = split(args.layouts or "packed")
+            return cmd_profile(models, layouts, args)
         steps = args.steps or (1 if args.smoke else 8)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
-                        smoke=args.smoke, timeout=args.timeout)
+                        smoke=args.smoke, timeout=args.timeout, budget=args.budget)
         return
     cmd_kernels(args)
 

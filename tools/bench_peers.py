@@ -1,13 +1,14 @@
 """One row of `bench.py step` in its own process: build, warm up, time, print `ROW {json}`.
 
-    python tools/bench_peers.py FRAMEWORK MODEL LAYOUT [--steps 8] [--warmup 3] [--smoke] [--graph]
+    python tools/bench_peers.py FRAMEWORK MODEL LAYOUT [--steps 8] [--warmup 3] [--smoke] [--graph] [--budget GiB]
     python tools/bench_peers.py folder MODEL [--smoke]     # Unsloth's input folder, then exit
 
 FRAMEWORK: lean | hf (HF transformers + PEFT) | liger (HF + PEFT + liger-kernel) | unsloth.
 tools/bench_step.py starts one such process per row and reads its last `ROW ` line: keys tokens,
 ms (median step), loss (last step's mean), peak_gib (torch.cuda.max_memory_allocated since the
 process start, model build included; None on CPU), checkpointing, note; or status "skipped"
-with a note. A failure is an exception: its traceback on stderr is what the parent shows.
+with a note. lean only: --graph adds a `graph` sub-row (bench_step.run_lean_graph, its own peak)
+and --budget GiB runs lean's step under plan_for's activation plan for that VRAM budget. A failure is an exception: its traceback on stderr is what the parent shows.
 
 The peers' step (bench_step's docstring gives the common work): HF builds the random-init model
 from the config on the GPU (`from_config`, bf16, its own init, sdpa attention); PEFT wraps it
@@ -249,9 +250,9 @@ def run_unsloth(name, layout, warmup, steps, smoke):
 
 
 # =============================================================================================
-def run(framework, name, layout, warmup, steps, smoke, graph):
+def run(framework, name, layout, warmup, steps, smoke, graph, budget=None):
     if framework == "lean":
-        return bench_step.run_lean(name, layout, warmup, steps, graph=graph, smoke=smoke)
+        return bench_step.run_lean(name, layout, warmup, steps, graph=graph, smoke=smoke, budget_gib=budget)
     if framework in ("hf", "liger"):
         return run_hf(name, layout, warmup, steps, smoke, liger=framework == "liger")
     if framework == "unsloth":
@@ -267,7 +268,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=bench_step.WARMUP)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny config, fp32, interpreter")
-    p.add_argument("--graph", action="store_true", help="lean only: also a CUDA-graph replay")
+    p.add_argument("--graph", action="store_true", help="lean only: also the whole step from lean.StepGraph")
+    p.add_argument("--budget", type=float, help="lean only: VRAM budget in GiB for the activation plan")
     a = p.parse_args(argv)
     if a.framework == "folder":
         write_folder(a.model, a.smoke)
@@ -276,9 +278,9 @@ def main(argv=None):
     if cuda:
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
-    row = run(a.framework, a.model, a.layout, a.warmup, a.steps, a.smoke, a.graph)
+    row = run(a.framework, a.model, a.layout, a.warmup, a.steps, a.smoke, a.graph, a.budget)
     if cuda and row.get("status", "ok") == "ok":
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30)  # lean sets its own
     print("ROW " + json.dumps(row), flush=True)
 
 

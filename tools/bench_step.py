@@ -29,7 +29,22 @@ step) after 3 warm-up steps (Unsloth's compile warm-up falls in them). MFU = use
 (time x the bf16 matmul rate measured once by this process, as `bench.py kernels` does); useful
 FLOPs per token = 4 x matmul params (lm_head included) + causal attention (forward once, backward
 twice); recompute is not counted. Ratios: lean tok/s / peer tok/s (> 1: lean faster) and lean
-peak / peer peak (< 1: lean smaller).
+peak / peer peak (< 1: lean smaller), from lean's fastest row of the same model and layout.
+
+lean's rows (the child runs them in one process, eager first):
+  lean        the eager step: lora.zero_grad(); lean.forward_backward; opt.step(), on batches packed
+              to their own shapes.
+  lean+graph  (--graph) the whole step (zero-grad, forward, loss, backward, AdamW) replayed from
+              lean.StepGraph over fixed shapes: 8192 tokens, max_docs = the layout's documents + 1
+              rounded up to a multiple of 64 (MAX_DOCS). Before timing, one graph step and one
+              eager step from the same state on the same fixed-shape batch are compared bit for bit
+              (the note says "bit-equal to eager" or NOT). Its peak counts from a reset after the
+              eager steps: weights, LoRA and AdamW state, the graph's warm-up, capture and replays
+              (not the check's copies of the optimizer state).
+  --budget G  both rows run under lean.runtime.plan.plan_for(model, lora, 8192, G GiB): the fewest
+              recomputed / offloaded layers that fit G (the note names the plan and its predicted
+              peak; recompute is flagged like the peers' checkpointing). A budget no plan fits
+              fails the row with PlanError's message. Peers ignore it.
 
 Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
 fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
@@ -157,61 +172,135 @@ def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
     return lean, model
 
 
-def graph_step_ms(lean, model, lora, opt, batch, steps):
-    """Experiment: the forward + backward of one fixed batch captured once in a CUDA graph and
-    replayed (the optimizer step runs eagerly after each replay). Returns the median ms of
-    replay + optimizer step; the loss of a replay is checked against an eager step's."""
-    lora.zero_grad()
-    eager_loss, _ = lean.forward_backward(model, lora, batch, seed=0)
-    eager_grads = lora.grads.clone()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        lora.zero_grad()
-        with torch.cuda.graph(g, stream=side):
-            lora.zero_grad()
-            loss, _ = lean.forward_backward(model, lora, batch, seed=0)
-    torch.cuda.current_stream().wait_stream(side)
-    g.replay()
-    torch.cuda.synchronize()
-    same = torch.equal(loss, eager_loss) and torch.equal(lora.grads, eager_grads)
-
-    def step(_i):
-        g.replay()
-        opt.step()
-        return loss
-
-    t, _ = time_steps(step, 0, steps, cuda=True)
-    return t * 1e3, same
+MAX_DOCS = 64  # StepGraph's document slots: the layout's document count rounded up to a multiple of 64
 
 
-def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False):
-    """lean's row: {tokens, ms, loss, [graph_*]}. smoke: fp32 on the CPU through the interpreter
-    (TRITON_INTERPRET=1 must be set before triton is imported)."""
+def lean_setup(name, layout, smoke=False):
+    """Everything lean's row steps: (lean, model, lora, opt, docs, batches, device). docs: two
+    batches of random token ids in the layout's document lengths; batches: them packed for the
+    eager step (lean.pack, shapes of the batch itself)."""
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     lean, model = random_model(name, device, dtype, smoke)
     lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=0.0, seed=0)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
     total = SMOKE_TOKENS if smoke else TOKENS
-    lens = doc_lengths(layout, total)
     rng = np.random.default_rng(1)
-    batches = [lean.pack([rng.integers(0, model.config.vocab, n).tolist() for n in lens],
-                         max_tokens=total, device=device) for _ in range(2)]
+    docs = [[rng.integers(0, model.config.vocab, n).tolist() for n in doc_lengths(layout, total)] for _ in range(2)]
+    batches = [lean.pack(d, max_tokens=total, device=device) for d in docs]
+    return lean, model, lora, opt, docs, batches, device
+
+
+def lean_plan(model, lora, n_tokens, budget_gib):
+    """The activation plan for a VRAM budget in GiB (lean.runtime.plan.plan_for), or None (keep
+    everything). Raises PlanError when no plan fits, naming the smallest peak."""
+    if budget_gib is None:
+        return None
+    from lean.runtime.plan import plan_for
+
+    return plan_for(model, lora, n_tokens, int(budget_gib * 2**30))
+
+
+def plan_note(plan):
+    """'plan: 2 recompute, 0 offload (predicted 10.5 GiB)' or '' for no plan."""
+    if plan is None:
+        return ""
+    n = {m: plan.modes.count(m) for m in ("recompute", "offload")}
+    return (f"plan: {n['recompute']} recompute, {n['offload']} offload of {len(plan.modes)} layers "
+            f"(predicted {plan.memory.peak / 2**30:.2f} GiB)")
+
+
+def make_step_graph(lean, model, lora, opt, n_tokens, max_docs, plan=None):
+    """lean.StepGraph over (n_tokens, max_docs); with a plan, the captured step runs it (recompute
+    and offload capture like the eager step: lean/runtime/offload.py)."""
+    if plan is None:
+        return lean.StepGraph(model, lora, opt, n_tokens, max_docs)
+
+    class PlannedStepGraph(lean.StepGraph):
+        def _run(self):  # StepGraph._run, with the activation plan
+            self.lora.zero_grad()
+            loss, _ = lean.forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev,
+                                            seed=0, plan=plan)
+            self.opt.update()
+            return loss
+
+    return PlannedStepGraph(model, lora, opt, n_tokens, max_docs)
+
+
+def graph_equals_eager(lean, graph, model, lora, opt, docs, plan):
+    """One graph step and one eager step (lora.zero_grad; forward_backward; opt.step) from the same
+    state on the same fixed-shape batch: True when the loss and the updated LoRA parameters are
+    bit-equal. The state is put back after each (the timed steps start where they would have)."""
+    state = [lora.params, opt.m, opt.v, opt.grad_norm]
+    saved, count = [t.clone() for t in state], opt.step_count
+
+    def restore():
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        lora.sync_lowp()
+        opt.step_count = count
+
+    loss_g, _ = graph.step(graph.pack(docs))
+    params_g = lora.params.clone()
+    restore()
+    eager_batch = lean.pack(docs, graph.budget, pad_to=graph.budget, max_docs=graph.max_docs, device="cuda")
+    lora.zero_grad()
+    loss_e, _ = lean.forward_backward(model, lora, eager_batch, seed=0, plan=plan)
+    opt.step()
+    same = torch.equal(loss_g, loss_e) and torch.equal(params_g, lora.params)  # host sync: a check, before timing
+    restore()
+    return bool(same)
+
+
+def run_lean_graph(lean, model, lora, opt, docs, warmup, steps, plan=None):
+    """lean+graph: the whole step replayed from lean.StepGraph. Returns {ms, loss, peak_gib,
+    equals_eager, max_docs}; peak_gib counts from here (the weights, LoRA and optimizer state,
+    the graph's warm-up, capture and replays), not the eager steps before nor the bit-equality
+    check's copies of the optimizer state."""
+    n_tokens = sum(len(d) for d in docs[0])
+    max_docs = MAX_DOCS * -(-(len(docs[0]) + 1) // MAX_DOCS)  # a slot for the padding document too
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    graph = make_step_graph(lean, model, lora, opt, n_tokens, max_docs, plan)
+    peak = torch.cuda.max_memory_allocated()
+    same = graph_equals_eager(lean, graph, model, lora, opt, docs[0], plan)
+    batches = [graph.pack(d) for d in docs]
+
+    def step(i):
+        loss, n = graph.step(batches[i % 2])
+        return loss / n
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t, loss = time_steps(step, warmup, steps, cuda=True)
+    peak = max(peak, torch.cuda.max_memory_allocated())
+    return dict(ms=t * 1e3, loss=loss, peak_gib=peak / 2**30, equals_eager=same, max_docs=max_docs)
+
+
+def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, budget_gib=None):
+    """lean's row: {tokens, ms, loss, checkpointing, note, peak_gib, [graph]}. graph: also the
+    whole step from lean.StepGraph (the `graph` sub-row, its own peak). budget_gib: run under
+    plan_for's activation plan for that VRAM budget (recompute / offload; flagged as checkpointing
+    when any layer is not kept). smoke: fp32 on the CPU through the interpreter (TRITON_INTERPRET=1
+    must be set before triton is imported); no graph there."""
+    lean, model, lora, opt, docs, batches, device = lean_setup(name, layout, smoke)
+    cuda = device == "cuda"
+    total = batches[0].n_tokens
+    plan = lean_plan(model, lora, total, budget_gib)
 
     def step(i):
         lora.zero_grad()
-        loss, n = lean.forward_backward(model, lora, batches[i % 2])
+        loss, n = lean.forward_backward(model, lora, batches[i % 2], plan=plan)
         opt.step()
         return loss / n
 
     t, loss = time_steps(step, warmup, steps, cuda)
-    row = dict(tokens=total, ms=t * 1e3, loss=loss, checkpointing=False)
+    row = dict(tokens=total, ms=t * 1e3, loss=loss, note=plan_note(plan),
+               checkpointing=plan is not None and any(m != "keep" for m in plan.modes))
+    if cuda:
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # since the process start
     if graph and cuda:
-        ms, same = graph_step_ms(lean, model, lora, opt, batches[0], steps)
-        row.update(graph_ms=ms, graph_tokens_per_s=total / (ms / 1e3), graph_equals_eager=same)
+        row["graph"] = run_lean_graph(lean, model, lora, opt, docs, warmup, steps, plan)
     return row
 
 
@@ -222,12 +311,14 @@ def _tail(text, n=15):
     return [ln[:200] for ln in text.strip().splitlines()[-n:]]
 
 
-def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout):
+def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, budget=None):
     """Start tools/bench_peers.py for one row; its last `ROW {json}` line, or an error row with
-    the tail of what it printed."""
+    the tail of what it printed. graph and budget apply to lean's row only."""
     cmd = [sys.executable, os.path.join(TOOLS, "bench_peers.py"), framework, model, layout,
            "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework == "lean")
+    if budget is not None and framework == "lean":
+        cmd += ["--budget", str(budget)]
     # Unsloth writes unsloth_compiled_cache/ into its working directory: keep it out of the repo.
     cwd = os.path.join("/tmp", "bench_step") if framework == "unsloth" else ROOT
     os.makedirs(cwd, exist_ok=True)
@@ -264,11 +355,26 @@ def measure_matmul(smoke):
     return rate
 
 
+def split_lean_row(raw):
+    """lean's child row -> [eager row, lean+graph row if measured] (the graph row shares tokens)."""
+    raw = dict(raw)
+    g = raw.pop("graph", None)
+    rows = [(raw, "lean")]
+    if g is not None:
+        rows.append((dict(g, tokens=raw["tokens"], checkpointing=raw["checkpointing"], wall_s=raw.get("wall_s", 0),
+                          note=" ".join(filter(None, [raw.get("note", ""), f"max_docs {g['max_docs']}",
+                                                      "bit-equal to eager" if g["equals_eager"]
+                                                      else "NOT BIT-EQUAL TO EAGER"]))), "lean+graph"))
+    return rows
+
+
 def finish_row(row, framework, model, layout, rate, smoke):
-    """Add the row's keys, tok/s and MFU (PEERS.md's useful FLOPs over the parent's matmul rate)."""
+    """Add the row's keys, tok/s and MFU (PEERS.md's useful FLOPs over the parent's matmul rate).
+    framework: a FRAMEWORKS key, or a display name (lean+graph)."""
     from lean.models.config import config_from_hf
 
-    row = dict(dict(status="ok", note=""), **row, framework=FRAMEWORKS[framework], model=model, layout=layout)
+    row = dict(dict(status="ok", note=""), **row, framework=FRAMEWORKS.get(framework, framework), model=model,
+               layout=layout)
     if row.get("checkpointing"):
         row["note"] = ("CHECKPOINTING ON (not the bench's work) " + row["note"]).strip()
     if row["status"] == "ok":
@@ -280,10 +386,16 @@ def finish_row(row, framework, model, layout, rate, smoke):
 
 
 def fmt_table(rows):
-    """The table: one line per row; the ratio columns compare lean's row of the same model and
-    layout with this row's peer. A row that did not run says why after its first three cells."""
+    """The table: one line per row; the ratio columns compare lean's fastest row of the same model
+    and layout (lean+graph where measured, else lean) with this row's peer. A row that did not run
+    says why after its first three cells; a row's note follows its cells."""
     head = ["model", "layout", "framework", "tok/s", "MFU", "peak GiB", "lean/peer tok/s", "lean/peer peak"]
-    lean = {(r["model"], r["layout"]): r for r in rows if r["framework"] == "lean" and r["status"] == "ok"}
+    lean = {}
+    for r in rows:
+        if r["framework"] in ("lean", "lean+graph") and r["status"] == "ok":
+            key = (r["model"], r["layout"])
+            if key not in lean or r["tokens_per_s"] > lean[key]["tokens_per_s"]:
+                lean[key] = r
     lines = [head]
     for r in rows:
         cells = [r["model"], r["layout"], r["framework"]]
@@ -294,13 +406,13 @@ def fmt_table(rows):
         peak = r.get("peak_gib")
         cells += [f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", "-" if peak is None else f"{peak:.2f}"]
         base = lean.get((r["model"], r["layout"]))
-        if r["framework"] == "lean" or base is None:
+        if r["framework"].startswith("lean") or base is None:
             cells += ["-", "-"]
         else:
             lp = base.get("peak_gib")
             cells += [f"{base['tokens_per_s'] / r['tokens_per_s']:.2f}x", f"{lp / peak:.2f}x" if lp and peak else "-"]
-        if r.get("graph_tokens_per_s"):
-            cells.append(f"graph {r['graph_tokens_per_s']:,.0f} tok/s, bit-equal to eager: {r['graph_equals_eager']}")
+        if r.get("note"):
+            cells.append(r["note"])
         lines.append(cells)
     widths = [max(len(ln[i]) for ln in lines if len(ln) >= len(head) or i < 3) for i in range(len(head))]
     out = []
@@ -318,8 +430,9 @@ def write_json(path, rows, rate, device, smoke):
 
 
 def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=8, json_path=None,
-         graph=False, smoke=False, timeout=300):
-    """Run every (model, layout) x (lean, peers) row, each in its own process; print the table."""
+         graph=False, smoke=False, timeout=300, budget=None):
+    """Run every (model, layout) x (lean, peers) row, each in its own process; print the table.
+    graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB."""
     import importlib.util
 
     unknown = [f for f in peers if f not in FRAMEWORKS] + [m for m in models if m not in CONFIGS] + \
@@ -341,10 +454,12 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
                 if fw != "lean" and not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
                     raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
                 else:
-                    raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout)
-                r = finish_row(raw, fw, m, layout, rate, smoke)
-                rows.append(r)
-                print_row(r)
+                    raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout, budget)
+                parts = split_lean_row(raw) if fw == "lean" and raw.get("status", "ok") == "ok" else [(raw, fw)]
+                for part, name in parts:
+                    r = finish_row(part, name, m, layout, rate, smoke)
+                    rows.append(r)
+                    print_row(r)
                 if json_path:  # after every row: a run cut short keeps what it measured
                     write_json(json_path, rows, rate, device, smoke)
     print()

@@ -25,10 +25,16 @@ Supported: every M, N, K >= 0 (K == 0 gives bias [+ c]); bf16/fp16 inputs use th
 with fp32 accumulation; fp32 inputs use exact IEEE fp32 products (input_precision="ieee", not
 tf32), slow on a GPU, meant for tests and small fp32 reductions.
 Tested: tests/test_gemm.py: fp32 and fp16 (CPU interpreter), bf16 (H100), odd sizes, transposed
-views of a and b, bias, accumulate, alpha, rejection of bad arguments.
-Speed (H100, bf16, 8192 tokens, Qwen3-0.6B / Llama-3.2-1B projections, tools/gemm_tune.py):
-dy W 0.83-0.95x cuBLAS; x W^T (K-contiguous b) only 0.66-0.77x cuBLAS: pointer loads + wgmma
-through Triton 3.6, no TMA, no warp specialisation (the obvious next step).
+views of a and b, bias, accumulate, alpha, rejection of bad arguments; the TMA kernel in fp16 under
+the interpreter (its choice forced) and bf16 on the GPU.
+Two main loops. On a Hopper GPU, for 16-bit row-major a, TMA-describable a and b (16-byte aligned
+base and row stride), at least a wave of 128 x 256 tiles and TMA_MIN_MACS: _matmul_tma_kernel, tiles loaded by
+TMA through host tensor descriptors and a persistent grid (one program per SM walking the tiles).
+Otherwise (fp32, transposed a, odd strides, small outputs, the interpreter): _matmul_kernel,
+pointer loads.
+Speed (H100, bf16, M = 8192, Qwen3-0.6B / Llama-3.2-1B projections, CUDA-graph medians,
+tools/step_levers.py): TMA x W^T 0.94-1.03x cuBLAS, dy W 0.88-0.98x; the pointer kernel x W^T
+0.74-0.79x (ptxas serialises its wgmmas in that layout), dy W 0.82-0.94x.
 Caution:
   - c must not alias a or b (tiles of c are written while other programs still read a and b).
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32, so the launcher
@@ -39,6 +45,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lean.kernels._check import check
 
@@ -99,6 +106,39 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _matmul_tma_kernel(
+    c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
+    a_desc, b_desc, bias_ptr,               # TMA descriptors of a (M, K) and b: (N, K) if B_KMAJOR, else (K, N)
+    M, N, K, stride_cm, alpha, n_programs,
+    B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """_matmul_kernel for 16-bit row-major a on Hopper: tiles loaded by TMA (rows and columns
+    past the edges read as zero), a persistent grid of n_programs walking the tiles in grouped
+    order; the same epilogue."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            if B_KMAJOR:
+                acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+            else:
+                acc = tl.dot(a, b_desc.load([k0, pid_n * BLOCK_N]), acc)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = acc * alpha
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit inputs, H100.
 # Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine Qwen3-0.6B / Llama-3.2-1B
@@ -113,11 +153,31 @@ _KMAJOR_B = (256, 128, 64, 8, 3)  # b K-contiguous (x W^T), when its grid fills 
 _WIDE = (128, 256, 64, 8, 4)      # b row-major, and x W^T with few 256x128 tiles
 _SMALL = (64, 128, 64, 4, 4)      # outputs under half a wave of 128x256 tiles: untuned
 _FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
-_INTERPRET = (32, 32, 32, 4, 1)   # TRITON_INTERPRET=1: small tiles, so small test shapes span many
-_INTERPRET_BIG = (64, 256, 128, 4, 1)  # ... and big tiles for model-sized work: the interpreter's cost
-#   is per program, not per flop (a 40x49152x576 lm_head: 53.7 s at 32^3, 2.6 s at 64x256x64, CPU)
+# TRITON_INTERPRET=1 (CPU): small tiles for test shapes, so they span several tiles per dim ...
+_INTERPRET = (32, 32, 32, 4, 1)
+# ... and, for model-sized problems, the fewest programs and K steps: a least-squares fit over 100
+# timed lora_linear_fwd configs (SmolLM2 shapes, CPU) puts the interpreter's cost at ~5 ms per
+# program, ~0.8 ms per K step, ~18 ns per loaded tile element and ~0.03 ns per multiply-add, so one
+# row block (up to 512 rows), the whole output width (up to 2^20 accumulator elements) and K steps
+# of ~2^18 weight elements come within 1.3x of the fit's best tiles on every SmolLM2 GEMM.
+# Measured (fp32, 1 core, CPU time): lora_linear_fwd 497x576x1536 0.70 s at 64x256x128 -> 0.10 s
+# at 512x2048x128 (its backward 2.9 s -> 0.14 s); M = 1 decode 576 -> 1536: 1.0 s at 32^3 -> 34 ms
+# at 16x2048x128.
 GROUP_M = 8
 NUM_SMS = 132                     # H100 SXM
+# Hopper TMA path (_matmul_tma_kernel, 16-bit, row-major a, TMA-describable a/b, a full wave of
+# 128x256 tiles): tools/step_levers.py, H100, bf16, M = 8192, the nine projection shapes, CUDA-graph
+# medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
+# dy W 449-665 (0.88-0.98x; pointer 440-640). s3 vs s4 within 5%, s3 ahead on 6 of 9 x W^T shapes.
+_TMA = (128, 256, 64, 8, 3)
+# A TMA launch costs the host ~45 us more than a pointer one (the launcher encodes a tensor map
+# per descriptor; H100 host, Triton 3.6): Qwen3-0.6B's eager step, host-bound already, ran 110-150
+# ms with TMA kernels for every projection against 94-132 ms without (interleaved rounds,
+# tools/step_levers.py eager). So the TMA main loops serve GEMMs of at least TMA_MIN_MACS
+# multiply-adds only (Llama-3.2-1B q/o and MLP, the lm_head chunks: ~90 us of GPU time and more),
+# in eager and captured steps alike: a captured step must run the kernels its warm-up compiled
+# (loading a module during capture breaks it), so the choice cannot depend on capturing.
+TMA_MIN_MACS = 2**35
 
 
 def interpreting():
@@ -125,10 +185,21 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpret_big(M, N, K):
+    """Model-sized under the interpreter: a weight of at least 128 x 512 (the unit tests' stay
+    under 2^16 elements or 64 wide) or at least 8M multiply-adds."""
+    return (min(N, K) >= 128 and N * K >= 2**16) or M * N * K >= 2**23
+
+
 def interpret_config(M, N, K):
-    """The interpreter's tiles: small for test shapes (many tiles, every edge exercised), big
-    for model-sized problems (>= 8M multiply-adds), which still span several tiles per dim."""
-    return _INTERPRET_BIG if M * N * K >= 2**23 else _INTERPRET
+    """The interpreter's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an (M, N) output
+    reduced over K: small tiles for test shapes (every edge exercised), big ones otherwise."""
+    if not interpret_big(M, N, K):
+        return _INTERPRET
+    bm = min(512, max(16, triton.next_power_of_2(M)))            # M = 1 (decode): 16 rows
+    bn = max(16, min(triton.next_power_of_2(N), 2**20 // bm, 2**14))
+    bk = min(max(2**18 // bn, 32), 256, max(16, triton.next_power_of_2(K)))
+    return bm, bn, bk, 4, 1
 
 
 def gemm_config(M, N, dtype, b_kmajor=False, K=0):
@@ -143,6 +214,54 @@ def gemm_config(M, N, dtype, b_kmajor=False, K=0):
     if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= NUM_SMS // 2:
         return _WIDE
     return _SMALL
+
+
+_HOPPER = {}
+
+
+def _hopper(device):
+    """sm_90 or newer (TMA descriptors, wgmma); cached per device."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HOPPER:
+        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _HOPPER[idx]
+
+
+def tma_ok(*tensors, macs):
+    """True when a TMA main loop should run: at least TMA_MIN_MACS multiply-adds, a Hopper GPU
+    (never the interpreter) and 2-D 16-bit tensors with a unit last stride and 16-byte aligned
+    bases and row strides."""
+    return macs >= TMA_MIN_MACS and not interpreting() and _hopper(tensors[0].device) and all(
+        t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
+        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def tma_desc(t, block):
+    """Host TMA descriptor of a 2-D tensor (unit last stride) for tiles of shape `block`."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block))
+
+
+def _matmul_tma(c, a, b, bias, accumulate, alpha):
+    """matmul on _matmul_tma_kernel; a row-major, b row-major or the transpose of a row-major weight."""
+    (M, K), N = a.shape, b.shape[1]
+    BM, BN, BK, warps, stages = _TMA
+    kmajor = b.stride(0) == 1 and N > 1
+    b_desc = tma_desc(b.t(), (BN, BK)) if kmajor else tma_desc(b, (BK, BN))
+    n_programs = min(NUM_SMS, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    _matmul_tma_kernel[(n_programs,)](
+        c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
+        M, N, K, c.stride(0), float(alpha), n_programs,
+        B_KMAJOR=kmajor, HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+
+
+def _use_tma(a, b, M, N):
+    """The TMA path: row-major a, b TMA-describable either way, and at least a wave of tiles."""
+    if triton.cdiv(M, _TMA[0]) * triton.cdiv(N, _TMA[1]) < NUM_SMS or a.stride(1) != 1:
+        return False
+    return tma_ok(a, b.t() if b.stride(0) == 1 and N > 1 else b, macs=M * N * a.shape[1])
 
 
 def _check_strided(t, name):
@@ -165,6 +284,8 @@ def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
         check(bias, "bias", shape=(N,), dtype=(a.dtype, torch.float32), device=a.device, contiguous=True)
     if M == 0 or N == 0:
         return
+    if K > 0 and _use_tma(a, b, M, N):
+        return _matmul_tma(c, a, b, bias, accumulate, alpha)
     BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, b_kmajor=b.stride(0) == 1 and N > 1, K=K)
     if max(a.stride(1), b.stride(0)) * BK >= 2**31:
         raise ValueError(f"matmul: K-stride {max(a.stride(1), b.stride(0))} too large for int32 "

@@ -27,6 +27,11 @@ Backward (the forward read bottom-up; dy B is the gradient flowing into xa):
   in a fixed order into da / db. No atomics: da and db are bit-identical from run to run for a
   given shape. += lets micro-batches accumulate; the caller zeroes da/db once per step.
 
+Hopper: with p = 0, 16-bit TMA-describable inputs (16-byte aligned bases and row strides) and at
+least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost outweighs the gain) the
+forward kernel and backward kernel 1 run as _lora_linear_fwd_tma_kernel / _lora_linear_bwd_tma_kernel:
+the same math and epilogues, tiles loaded by TMA through host descriptors, a persistent grid.
+
 Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x), regenerated
 identically by the forward pre-pass and both backward kernels; reproducible for a seed.
 lora_dropout_mask writes it out as 0/1 for tests.
@@ -34,7 +39,8 @@ lora_dropout_mask writes it out as 0/1 for tests.
 Supported: R in 1..128 (padded to a power of two >= 16 for tl.dot); p in [0, 1); any N, K, O.
 Tested: tests/test_lora_linear.py: fp32 and fp16 (CPU interpreter), bf16 (H100); N, K, O odd
 (37, 129, 257 ...); R 8 and 16 (64 on the GPU); bias on/off; p 0 and 0.1; accumulation;
-determinism; rejections. Timings: tools/gemm_tune.py (numbers beside the configs below).
+determinism; rejections; the TMA kernels in fp16 under the interpreter (their choice forced) and
+as chosen on the GPU. Timings: tools/gemm_tune.py (numbers beside the configs below).
 Caution:
   - R not a multiple of 16: the backward runs kernel 1 on zero-padded copies of a and b (rank
     RP). Unpadded, R = 8 gave a wrong dy B on an H100 (Triton 3.6; masked 16-byte B rows) while
@@ -51,7 +57,8 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import FLOATS, NUM_SMS, grouped_tile, interpret_config, interpreting, matmul
+from lean.kernels.gemm import (FLOATS, NUM_SMS, grouped_tile, interpret_big, interpret_config, interpreting,
+                               matmul, tma_desc, tma_ok)
 
 
 @triton.jit
@@ -238,15 +245,98 @@ def _lora_grad_partial_kernel(
 
 
 @triton.jit
-def _lora_grad_reduce_kernel(g_ptr, part_ptr, S, numel, stride_s, factor, BLOCK: tl.constexpr):
-    """g (numel,) fp32 += factor * sum over s = 0, 1, ..., S-1 of part[s, :numel] (fixed order)."""
+def _lora_grad_reduce_kernel(g_ptr, part_ptr, S, numel, stride_s, factor, BLOCK: tl.constexpr,
+                             BLOCK_S: tl.constexpr = 1):
+    """g (numel,) fp32 += factor * sum over s = 0, 1, ..., S-1 of part[s, :numel] (fixed order:
+    BLOCK_S partials at a time, each group summed as a tree, the groups in order). BLOCK_S > 1
+    puts a group's loads in flight together: one L2 latency per group, not per partial."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
+    rs = tl.arange(0, BLOCK_S)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(part_ptr + s * stride_s + offs, mask=ok, other=0.0)
+    for s0 in range(0, S, BLOCK_S):
+        ptrs = part_ptr + (s0 + rs).to(tl.int64)[:, None] * stride_s + offs[None, :]
+        acc += tl.sum(tl.load(ptrs, mask=((s0 + rs) < S)[:, None] & ok[None, :], other=0.0), axis=0)
     g = tl.load(g_ptr + offs, mask=ok, other=0.0)
     tl.store(g_ptr + offs, g + factor * acc, mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper main loops (16-bit, p = 0, TMA-describable tensors: lora_linear_fwd / _bwd pick them):
+# the math and epilogues of the two kernels above, with the x / W / A (forward) and dy / W / B
+# (backward) tiles loaded by TMA through host descriptors (rows and columns past an edge read as
+# zero) and a persistent grid of n_programs programs walking the output tiles in grouped order.
+
+@triton.jit
+def _lora_linear_fwd_tma_kernel(
+    y_ptr, xa_ptr,                          # (N, O) out; (N, R) out
+    x_desc, w_desc, a_desc,                 # descriptors: x (N, K) tiles (BM, BK), w (O, K) (BN, BK), a (R, K) (BR, BK)
+    b_ptr, bias_ptr,                        # (O, R); (O,) or dummy
+    N, K, O, R, stride_y, scale, n_programs,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xt = x_desc.load([pid_m * BLOCK_M, k0])
+            acc = tl.dot(xt, w_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+            xa = tl.dot(xt, a_desc.load([0, k0]).T, xa)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < N, rn < O
+        xa_lp = xa.to(xa_ptr.dtype.element_ty)
+        if pid_n == 0:
+            tl.store(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], xa_lp, mask=m_ok[:, None] & r_ok[None, :])
+        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+        bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(xs, bt, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_linear_bwd_tma_kernel(
+    dx_ptr, dyb_ptr,                        # (N, K) out; (N, R) out: dy B in dy's dtype
+    dy_desc, w_desc, b_desc,                # descriptors: dy (N, O) tiles (BM, BO), w (O, K) (BO, BN), b (O, R) (BO, BR)
+    a_ptr,                                  # (R, K)
+    N, K, O, R, stride_dx, scale, n_programs,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(K, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, N, K, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for o0 in range(0, O, BLOCK_O):
+            dyt = dy_desc.load([pid_m * BLOCK_M, o0])
+            acc = tl.dot(dyt, w_desc.load([o0, pid_n * BLOCK_N]), acc)
+            dyb = tl.dot(dyt, b_desc.load([o0, 0]), dyb)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < N, rn < K
+        dyb_lp = dyb.to(dyb_ptr.dtype.element_ty)                     # rounded like torch's dy B
+        if pid_n == 0:
+            tl.store(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], dyb_lp, mask=m_ok[:, None] & r_ok[None, :])
+        at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
+        acc = tl.dot(dyb_s, at, acc)
+        dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
+        if ACCUMULATE:
+            acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +351,25 @@ def _lora_grad_reduce_kernel(g_ptr, part_ptr, S, numel, stride_s, factor, BLOCK:
 #     there). Smaller shapes measured launch-bound (5 launches, ~30 us of Python each).
 _FWD = (128, 256, 64, 8, 4)
 _BWD = (128, 256, 64, 8, 3)
+# The Hopper TMA kernels (p = 0, TMA-describable inputs, >= gemm.TMA_MIN_MACS; the pointer kernels
+# serve the rest). Evidence: tools/step_levers.py (now), H100, bf16, N = 8192, CUDA-graph medians,
+# whole ops (backward: with its da/db passes): Llama-3.2-1B q/o fwd 131 us (pointer 144, cuBLAS base
+# GEMM alone 100), gate/up 535 (581; 417), down 489 (532; 388); bwd q/o 162 (190), gate/up 554 (659),
+# down 594 (694). Forward s4 beat s3 by 1-4% on these shapes, 256x128 trailed by 8-19%. The LoRA
+# product inside the main loop (an N = 16 wgmma per K step) keeps them at 0.75-0.8x cuBLAS; the plain
+# persistent TMA GEMM reaches 0.94-1.03x.
+_FWD_TMA = (128, 256, 64, 8, 4)
+_BWD_TMA = (128, 256, 64, 8, 3)
 _BWD_DROPOUT = (128, 128, 64, 8, 4)
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
-_GRAD = (128, 64, 4, 3)         # da/db partials (BLOCK_P, BLOCK_T, num_warps, num_stages), untuned
+# da/db partials (BLOCK_P, BLOCK_T, num_warps, num_stages): 64x64 w4 s3 beat 128x64 (the earlier
+# untuned pick), 128x128 w8 and 256x64 w8 on all nine shapes, 8-30% (tools/step_levers.py lora).
+_GRAD = (64, 64, 4, 3)
 _REDUCE = 1024
+# GPU reduce (BLOCK, BLOCK_S): a 1-D loop over S partials (S = 16..64 here) waited on one L2 latency
+# per partial: 9.1 us a call, 392 calls = 3.6 ms of a Qwen3-0.6B step (H100 profile, graph replay).
+_REDUCE_GPU, _REDUCE_GPU_S = 128, 64
 GROUP_M = 8
 
 
@@ -321,10 +425,15 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
         return
     BR, prec = _block_r(R), _precision(x.dtype)
     if dropout > 0.0:
-        BM, BK, warps, stages = (32, 32, 4, 1) if interpreting() else _XA
+        BM, BK, warps, stages = _XA
+        if interpreting():  # the main kernel's row block and K step
+            BM, _, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
         _lora_xa_kernel[(triton.cdiv(N, BM),)](
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
+    if dropout == 0.0 and tma_ok(x, w, a, macs=N * K * O):
+        _fwd_tma(y, xa, x, w, a, b, scale, bias, BR)
+        return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
     _lora_linear_fwd_kernel[grid](
@@ -362,29 +471,36 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     BM, BN, BO, warps, stages = _bwd_config(dt, dropout, N, K, O)
     dyb = torch.empty((N, RP), device=dev, dtype=dt)                      # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
-    _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
-        dx if dx is not None else dyb, dyb, dy, w, a, b,
-        N, K, O, RP, dx.stride(0) if dx is not None else 0, dy.stride(0),
-        float(scale), seed, float(dropout), inv_keep,
-        HAS_DX=dx is not None, DROPOUT=dropout > 0.0, ACCUMULATE=accumulate_dx,
-        BLOCK_M=BM, BLOCK_N=BN if dx is not None else 16, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
-        PRECISION=prec, num_warps=warps, num_stages=stages)
+    if dx is not None and dropout == 0.0 and tma_ok(dy, w, b, macs=N * K * O):
+        _bwd_tma(dx, dyb, dy, w, a, b, scale, accumulate_dx)
+    else:
+        _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
+            dx if dx is not None else dyb, dyb, dy, w, a, b,
+            N, K, O, RP, dx.stride(0) if dx is not None else 0, dy.stride(0),
+            float(scale), seed, float(dropout), inv_keep,
+            HAS_DX=dx is not None, DROPOUT=dropout > 0.0, ACCUMULATE=accumulate_dx,
+            BLOCK_M=BM, BLOCK_N=BN if dx is not None else 16, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
+            PRECISION=prec, num_warps=warps, num_stages=stages)
 
     # Kernel 2 (twice): partials over token chunks; kernel 3: fixed-order sums into da / db.
-    _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True)
-    _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False)
+    big = interpreting() and interpret_big(N, K, O)
+    _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True, big=big)
+    _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False, big=big)
 
 
-def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed):
+def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False):
     """g += factor * u^T v, u (N, P), v (N, R'); g is (R, P) if transposed, else (P, R) with
     R = R'. Transposed, v may carry zero padding columns (R' > R): their partial rows come last
-    and are left out of the sum."""
+    and are left out of the sum. big: a model-sized problem under the interpreter."""
     N, P = u.shape
     R = v.shape[1]
     BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
+    if big:  # the interpreter runs programs one by one: one chunk, one feature block up to 2048 wide
+        BP = min(triton.next_power_of_2(P), 2048)
+        BT = max(16, min(triton.next_power_of_2(N), 2**18 // BP))
     p_blocks = triton.cdiv(P, BP)
     # enough token chunks to give every SM two programs; the chunking depends on shapes only
-    chunk = BT * triton.cdiv(triton.cdiv(N, triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
+    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
     S = triton.cdiv(N, chunk)
     part = torch.empty((S, P * R), device=u.device, dtype=torch.float32)   # (S, P*R)
     _lora_grad_partial_kernel[(p_blocks, S)](
@@ -392,8 +508,37 @@ def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed):
         chunk, seed, float(dropout),
         DROPOUT=dropout > 0.0, BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
         num_warps=warps, num_stages=stages)
-    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), _REDUCE),)](
-        g, part, S, g.numel(), P * R, float(factor), BLOCK=_REDUCE)
+    block = 2**14 if big else _REDUCE
+    block_s = 1
+    if not interpreting():  # GPU: all partials of a column in flight at once (32 KB a program at most)
+        block, block_s = _REDUCE_GPU, min(_REDUCE_GPU_S, triton.next_power_of_2(S))
+    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), block),)](
+        g, part, S, g.numel(), P * R, float(factor), BLOCK=block, BLOCK_S=block_s)
+
+
+def _fwd_tma(y, xa, x, w, a, b, scale, bias, BR):
+    """lora_linear_fwd (p = 0) on _lora_linear_fwd_tma_kernel."""
+    (N, K), O, R = x.shape, w.shape[0], a.shape[0]
+    BM, BN, BK, warps, stages = _FWD_TMA
+    n_programs = min(NUM_SMS, triton.cdiv(N, BM) * triton.cdiv(O, BN))
+    _lora_linear_fwd_tma_kernel[(n_programs,)](
+        y, xa, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), tma_desc(a, (BR, BK)), b,
+        bias if bias is not None else y, N, K, O, R, y.stride(0), float(scale), n_programs,
+        HAS_BIAS=bias is not None, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M,
+        num_warps=warps, num_stages=stages)
+
+
+def _bwd_tma(dx, dyb, dy, w, a, b, scale, accumulate):
+    """lora_linear_bwd's kernel 1 (p = 0, dx wanted) on _lora_linear_bwd_tma_kernel; a, b already
+    padded to the rank RP of dyb."""
+    (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
+    BM, BN, BO, warps, stages = _BWD_TMA
+    n_programs = min(NUM_SMS, triton.cdiv(N, BM) * triton.cdiv(K, BN))
+    _lora_linear_bwd_tma_kernel[(n_programs,)](
+        dx, dyb, tma_desc(dy, (BM, BO)), tma_desc(w, (BO, BN)), tma_desc(b, (BO, RP)), a,
+        N, K, O, RP, dx.stride(0), float(scale), n_programs,
+        ACCUMULATE=accumulate, BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
+        num_warps=warps, num_stages=stages)
 
 
 def lora_dropout_mask(mask_out, seed, p):

@@ -7,7 +7,7 @@ Prints three timings and, for each, the time per Triton kernel (launches, progra
       all 7 projections, dropout 0;
   (2) lean.loss_eval on the same batch;
   (3) the single-token (M=1) calls of one decode step: the 7 LoRA projections of each of the 30
-      layers, rmsnorm, rope, and the lm_head matmul (1 x 576 @ 576 x 49152).
+      layers, rmsnorm, rope, swiglu, and the lm_head matmul (1 x 576 @ 576 x 49152); not kv_attention.
 (1) and (2) are timed on their first run (the interpreter compiles nothing; a warm-up would double
 minutes of waiting), (3) on its second. Totals are wall and process CPU seconds; the per-kernel
 rows are process CPU seconds, steadier than wall time on a shared machine.

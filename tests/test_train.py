@@ -85,7 +85,8 @@ def test_samples_and_tensorboard(full_run):
     samples = [m for m in lines if m["kind"] == "sample"]
     assert [(m["when"], m["step"]) for m in samples] == [("before", 0), ("after", 6)]
     assert [m["text"] for m in samples] == [result["sample_before"], result["sample_after"]]
-    assert all(w in WORDS for w in result["sample_after"].split())  # decoded words of the vocab
+    vocab = set(WORDS) | {"<unk>", "<eos>"}  # a random tiny model may emit any of its tokens
+    assert all(w in vocab for w in result["sample_after"].split())  # decoded words of the vocab
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(T.Path(cfg.out_dir) / "tb"))

@@ -21,8 +21,9 @@ def test_greedy_tokens_match_hf_generate(tmp_path, arch):
 
     pm = peft_wrap(hf, lora)
     with torch.no_grad():
-        ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=9, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        # attention_mask given: else generate masks every prompt token equal to pad_token_id
+        ref = pm.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out == ref
     # every step's logits equal a cache-free forward over the whole sequence so far
     seq = prompt + out

@@ -10,28 +10,38 @@ from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison,
 DTYPES = [torch.float32, LOWP]
 
 
-def _operand(rows, cols, transposed, g, dtype):
-    """A (rows, cols) operand, either contiguous or a transposed view of a (cols, rows) tensor."""
-    if transposed:
-        return randn(cols, rows, g=g, dtype=dtype).t()
-    return randn(rows, cols, g=g, dtype=dtype)
+def _operand(rows, cols, transposed, g, dtype, align=1):
+    """A (rows, cols) operand, either contiguous or a transposed view of a (cols, rows) tensor.
+    align > 1: the underlying tensor's rows are padded to a multiple of align elements (a view of
+    the same shape with TMA-describable 16-byte row strides, whatever the sizes)."""
+    r, c = (cols, rows) if transposed else (rows, cols)
+    t = randn(r, -(-c // align) * align, g=g, dtype=dtype)[:, :c]
+    return t.t() if transposed else t
 
 
-def _run_and_compare(M, N, K, dtype, ta, tb, *, with_bias, accumulate, alpha, g, atol_lowp=0.0):
-    a = _operand(M, K, ta, g, dtype)
-    b = _operand(K, N, tb, g, dtype)
+def _launch_matmul(c, a, b, bias, accumulate, alpha):
+    matmul(c, a, b, bias=bias, accumulate=accumulate, alpha=alpha)
+
+
+def _run_and_compare(M, N, K, dtype, ta, tb, *, with_bias, accumulate, alpha, g, atol_lowp=0.0,
+                     launch=_launch_matmul, align=1):
+    """launch(c, a, b, bias, accumulate, alpha) on fresh inputs against matmul_ref; returns c and
+    the inputs (a, b, bias, c0)."""
+    a = _operand(M, K, ta, g, dtype, align)
+    b = _operand(K, N, tb, g, dtype, align)
     bias = randn(N, g=g, dtype=dtype) if with_bias else None
     c0 = randn(M, N, g=g, dtype=dtype)
     c = c0.clone() if accumulate else torch.empty(M, N, device=DEVICE, dtype=dtype)
     if not accumulate:
         poison(c)
-    matmul(c, a, b, bias=bias, accumulate=accumulate, alpha=alpha)
+    launch(c, a, b, bias, accumulate, alpha)
     up = lambda t: None if t is None else t.double()  # noqa: E731
     ref = matmul_ref(up(a), up(b), bias=up(bias), c0=up(c0) if accumulate else None, alpha=alpha)
     lowp = None
     if dtype != torch.float32:
         lowp = matmul_ref(a, b, bias=bias, c0=c0 if accumulate else None, alpha=alpha)
     assert_close_rule(c, ref, lowp, atol=atol_lowp if dtype != torch.float32 else 0.0, name="c")
+    return c, (a, b, bias, c0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,6 +101,7 @@ def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
     a wave of tiles and TMA_MIN_MACS) for x W^T (tb) and dy W: on the CPU through the interpreter with the
     choice forced, on the GPU as chosen. Fails if the TMA kernel did not run."""
     monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are below the size that picks TMA
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
     if DEVICE == "cpu":
         monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
         monkeypatch.setattr(G, "NUM_SMS", 1)
@@ -101,6 +112,108 @@ def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
     _run_and_compare(M, N, K, LOWP, False, tb, with_bias=with_bias, accumulate=accumulate, alpha=alpha,
                      g=fresh_generator())
     assert calls, "the TMA kernel did not run"
+
+
+# ---- split-K (_matmul_splitk_kernel + _matmul_splitk_reduce_kernel) --------------------------------
+# Under the interpreter the split-K path is never chosen (it needs a Hopper GPU), so these tests call
+# G._matmul_splitk directly with small tiles, or force the choice through matmul.
+_SPLITK_TEST_TILES = (32, 32, 32, 4, 1)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+# fp32 checks the kernels' arithmetic tightly on the CPU; on the GPU the path serves 16-bit only.
+SPLITK_DTYPES = DTYPES if DEVICE == "cpu" else [LOWP]
+
+
+@pytest.mark.parametrize("dtype", SPLITK_DTYPES)
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("split,with_bias,accumulate,alpha", [
+    (2, False, False, 1.0),
+    (3, True, True, -1.25),   # 10 K blocks dealt 3, 3, 4
+    (7, True, False, 0.5),    # uneven slices of 1 and 2 blocks
+    (12, False, True, 1.0),   # more slices than K blocks: empty slices write zero partials
+])
+def test_matmul_splitk_kernel(dtype, tb, split, with_bias, accumulate, alpha):
+    """The split-K kernels against the reference: M, N, K not block multiples (K = 301: 10 blocks
+    of 32, the last partial), b row-major (dlogits @ w) or K-major (x W^T), bias, accumulate, alpha."""
+    def launch(c, a, b, bias, acc, al):
+        G._matmul_splitk(c, a, b, bias, acc, al, split, config=_SPLITK_TEST_TILES)
+    _run_and_compare(37, 45, 301, dtype, False, tb, with_bias=with_bias, accumulate=accumulate, alpha=alpha,
+                     g=fresh_generator(), launch=launch, align=8)
+
+
+def test_matmul_splitk_is_deterministic():
+    """Fixed-order fp32 sum of the partials, no atomics: the same inputs give the same bits."""
+    g = fresh_generator()
+    a = _operand(67, 301, False, g, LOWP, 8)
+    b = _operand(301, 45, False, g, LOWP, 8)
+    outs = []
+    for _ in range(2):
+        c = torch.empty(67, 45, device=DEVICE, dtype=LOWP)
+        poison(c)
+        G._matmul_splitk(c, a, b, None, False, 1.0, 5, config=_SPLITK_TEST_TILES)
+        outs.append(c)
+    assert torch.equal(outs[0], outs[1])
+
+
+def _spy(monkeypatch, calls):
+    """Record the slice count of every G._matmul_splitk call (still running it)."""
+    run = G._matmul_splitk
+
+    def counted(c, a, b, bias, accumulate, alpha, split, config=None):
+        calls.append(split)
+        return run(c, a, b, bias, accumulate, alpha, split, config)
+    monkeypatch.setattr(G, "_matmul_splitk", counted)
+
+
+@pytest.mark.parametrize("tb", [False, True])
+def test_matmul_takes_splitk(tb, monkeypatch):
+    """matmul picks split-K for an under-filled output over a long K: on the CPU with the Hopper /
+    size conditions forced (interpreter tiles 32 x 32 x 32: 6 tiles, 47 K steps, 2-step slices
+    allowed), through the public launcher with bias, accumulate and alpha. Fails if it did not run."""
+    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
+    monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    monkeypatch.setattr(G, "_SPLITK_MIN_STEPS", 2)
+    calls = []
+    _spy(monkeypatch, calls)
+    _run_and_compare(67, 45, 1501, LOWP, False, tb, with_bias=True, accumulate=True, alpha=0.75,
+                     g=fresh_generator(), align=8)
+    assert calls and calls[0] > 1, f"split-K not taken: {calls}"
+
+
+def test_splitk_count(monkeypatch):
+    """The slice count on the H100 (model-free checks of splitk_count's choices): the lm_head
+    gradient chunks split and fill at least 85% of the waves they occupy; full-wave outputs, short
+    K and small problems do not split; every slice keeps _SPLITK_MIN_STEPS K steps."""
+    monkeypatch.setattr(G, "interpreting", lambda: False)
+    BM, BN, BK = G._SPLITK[:3]
+    for M, N, K in [(768, 1024, 151936), (640, 2048, 128256), (512, 4096, 151936), (512, 2048, 128256),
+                    (256, 1024, 151936), (1792, 576, 49152)]:
+        s = G.splitk_count(M, N, K)
+        programs = -(-M // BM) * -(-N // BN) * s
+        waves = -(-programs // G.NUM_SMS)
+        assert s > 1 and programs >= 0.85 * waves * G.NUM_SMS, (M, N, K, s)
+        assert -(-K // BK) // s >= G._SPLITK_MIN_STEPS, (M, N, K, s)
+        assert G.splitk_workspace_bytes(M, N, K, 2) == s * M * N * 4
+        assert G.splitk_workspace_bytes(M, N, K, 4) == 0  # fp32 inputs never split
+    for M, N, K in [(8192, 1024, 151936), (768, 1024, 1024), (64, 64, 151936)]:
+        assert G.splitk_count(M, N, K) == 1, (M, N, K)
+        assert G.splitk_workspace_bytes(M, N, K, 2) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(768, 1024, 151936), (640, 2048, 128256), (512, 4096, 151936)])
+def test_matmul_splitk_lm_head_shapes(M, N, K, monkeypatch):
+    """The fused linear-CE's dh chunk GEMM (dlogits (rows, V) @ w (V, C)) at Qwen3-0.6B,
+    Llama-3.2-1B and Qwen3-8B sizes, bf16 through matmul: split-K runs, meets the rule, and repeats
+    bit for bit."""
+    calls = []
+    _spy(monkeypatch, calls)
+    g = fresh_generator()
+    c, (a, b, _, _) = _run_and_compare(M, N, K, torch.bfloat16, False, False, with_bias=False,
+                                       accumulate=False, alpha=1.0, g=g)
+    assert calls and calls[0] > 1, f"split-K not taken: {calls}"
+    again = torch.empty_like(c)
+    matmul(again, a, b)
+    assert torch.equal(c, again)
 
 
 def test_matmul_rejects_bad_arguments():

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import lean.kernels.gemm as G
+import lean.kernels.linear_ce as CE
 from lean.kernels.linear_ce import linear_ce_fwd_bwd
 from tests.reference.linear_ce import linear_ce_chunked_ref, linear_ce_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -54,9 +56,10 @@ def check_against_reference(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_i
         if dh is not None:
             if h.is_cuda and w.shape[0] >= 16384:
                 # Known gap: dh sums V fp32 products per element in ONE fp32 accumulator per tile
-                # (no split-K), so at V = 32000..151936 lean's fp32 dh lands 1e-5..3.2e-5 of max|dh|
-                # from fp64 on the H100 where cuBLAS lands ~0.5e-5 (seen: 9.9e-6 vs 1.6e-6 at
-                # V = 151936). bf16, the training dtype, meets the 2x rule below. Bound: 5e-5.
+                # (gemm.py's split-K serves 16-bit inputs only), so at V = 32000..151936 lean's fp32
+                # dh lands 1e-5..3.2e-5 of max|dh| from fp64 on the H100 where cuBLAS lands ~0.5e-5
+                # (seen: 9.9e-6 vs 1.6e-6 at V = 151936). bf16, the training dtype, meets the 2x
+                # rule below. Bound: 5e-5.
                 assert_close_rule(dh, ref_dh, rtol32=5e-5, name="dh")
             else:
                 assert_close_rule(dh, ref_dh, name="dh")
@@ -129,10 +132,57 @@ def test_linear_ce_all_ignored(N):
     assert torch.equal(dh, torch.zeros_like(dh))
 
 
+def _spy_splitk(monkeypatch):
+    """A list that records the slice count of every split-K GEMM (gemm.py) from now on."""
+    calls, run = [], G._matmul_splitk
+
+    def counted(c, a, b, bias, accumulate, alpha, split, config=None):
+        calls.append(split)
+        return run(c, a, b, bias, accumulate, alpha, split, config)
+    monkeypatch.setattr(G, "_matmul_splitk", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOWP] if DEVICE == "cpu" else [LOWP], ids=str)
+def test_linear_ce_splitk_dh(dtype, monkeypatch):
+    """The dh GEMM through gemm.py's split-K path (its size conditions forced; on the CPU its Hopper
+    conditions too, fp32 included: chunks (16, 64) over V = 1000 are 2 interpreter tiles and 32 K
+    steps), against the reference."""
+    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
+    if DEVICE == "cpu":
+        monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: True)
+    monkeypatch.setattr(G, "_SPLITK_MIN_STEPS", 4)
+    calls = _spy_splitk(monkeypatch)
+    g = fresh_generator()
+    h, w, targets = make_inputs(37, 1000, 64, dtype, g)
+    loss, dh = run(h, w, targets, grad_scale=0.37, chunk_rows=16)
+    assert calls and min(calls) > 1, f"split-K not taken for dh: {calls}"
+    check_against_reference(loss, dh, h, w, targets, grad_scale=0.37)
+
+
+def test_default_chunk_rows_gpu():
+    """The GPU chunk rule: the fewest multiple-of-128 rows whose GEMMs reach _GPU_INTENSITY flop/byte
+    (rows * C / (rows + C)), within the scratch budget and N; narrow models take the budget."""
+    def intensity(rows, C):
+        return rows * C / (rows + C)
+    for N, V, C, want in [(8192, 151936, 1024, 768), (8192, 128256, 2048, 640), (8192, 151936, 4096, 512),
+                          (300, 128256, 2048, 300), (8192, 49152, 576, 1792)]:
+        rows = CE._default_chunk_rows(N, V, C, 2, False)
+        assert rows == want, (N, V, C, rows)
+        if rows < N:
+            assert rows % 128 == 0 and rows * V * 2 <= CE._GPU_CHUNK_BYTES
+            assert intensity(rows, C) >= CE._GPU_INTENSITY and intensity(rows - 128, C) < CE._GPU_INTENSITY
+    cap = CE._default_chunk_rows(8192, 49152, 256, 2, False)  # C under the target intensity
+    assert cap == CE._GPU_CHUNK_BYTES // (49152 * 2) // 128 * 128
+
+
 @gpu
-def test_linear_ce_qwen_vocab():
-    """Qwen-size vocabulary at a 16k-token batch, bf16: default chunks and one 16384-row chunk
-    (2.5e9 logits, row * V past 2^31), against a chunked fp32 reference; bitwise reproducible."""
+def test_linear_ce_qwen_vocab(monkeypatch):
+    """Qwen-size vocabulary at a 16k-token batch, bf16: default chunks (their dh GEMMs split-K) and one
+    16384-row chunk (2.5e9 logits, row * V past 2^31), against a chunked fp32 reference; bitwise
+    reproducible."""
+    calls = _spy_splitk(monkeypatch)
     N, V, C = 16384, 151936, 1024
     g = fresh_generator()
     h, w, targets = make_inputs(N, V, C, torch.bfloat16, g)
@@ -147,6 +197,7 @@ def test_linear_ce_qwen_vocab():
         assert_close_rule(dh, ref_dh, low_dh, atol=atol, name=f"dh (chunk_rows={chunk_rows})")
         del dh
         torch.cuda.empty_cache()
+    assert calls and min(calls) > 1, f"split-K not taken for dh: {calls}"
     loss_a, dh_a = run(h, w, targets, **kw)
     loss_b, dh_b = run(h, w, targets, **kw)
     assert torch.equal(loss_a, loss_b) and torch.equal(dh_a, dh_b)

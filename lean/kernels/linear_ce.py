@@ -19,7 +19,8 @@ Per chunk of `chunk_rows` tokens: (1) one GEMM writes logits_chunk = h_chunk @ w
 (chunk_rows, V) buffer in h's dtype; (2) `_linear_ce_fwd_bwd_kernel`, one program per row, reads
 the row once for an online max / sum-exp (fp32), reads the target logit, writes the row's loss,
 then reads the row again and overwrites it in place with grad_scale * (softmax - onehot) in h's
-dtype (zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w. After the last chunk,
+dtype (zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w (an under-filled output
+over a long K: gemm.py's deterministic split-K path on Hopper). After the last chunk,
 `_linear_ce_sum_kernel` (one program, fixed order, no atomics) sums the per-row losses and counts
 the valid targets, so the loss is bit-for-bit deterministic.
 
@@ -30,10 +31,14 @@ logits rounded once to h's dtype (fp32 GEMM accumulation), log-sum-exp and softm
 the gradient is rounded once to h's dtype before the second GEMM. Keeping the scratch in h's
 dtype (not fp32) also halves its memory and the bytes the row kernel and the second GEMM move.
 
-Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses). Default
-chunk_rows on GPU: enough rows that the dh GEMM (chunk_rows, C) has ~132 output tiles of
-64 x 128 (one per H100 SM), capped so the scratch stays under _GPU_CHUNK_BYTES; under the
-interpreter 64 rows (512 for a model-sized lm_head: _INTERP_BIG_CHUNK_ROWS).
+Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses), and while the dh
+GEMM runs, its split-K workspace (split, chunk_rows, C) fp32 (gemm.py; 16-bit on Hopper: 33 MiB for
+Qwen3-0.6B's 768-row chunks, 15-16 MiB for Llama-3.2-1B's 640 and its last chunk of 512).
+Default chunk_rows on GPU: the fewest rows (a multiple of 128) at which the chunk's two GEMMs, each
+streaming all of w, stay compute-bound (_GPU_INTENSITY), capped so the scratch stays under
+_GPU_CHUNK_BYTES: 768 rows for Qwen3-0.6B (C 1024, V 151936), 640 for Llama-3.2-1B (C 2048), 512
+for Qwen3-8B (C 4096); under the interpreter 64 rows (512 for a model-sized lm_head:
+_INTERP_BIG_CHUNK_ROWS).
 
 Supported: any N >= 0, V >= 1, C >= 1; row * V may exceed 2^31 (int64 row offsets).
 Tested: tests/test_linear_ce.py: fp32 and fp16 on CPU (interpreter), N 1..300, V 97..2053, C 64/80,
@@ -54,15 +59,21 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import matmul
+from lean.kernels.gemm import matmul, splitk_workspace_bytes
 
 # Untuned first guesses for H100 (no GPU measurement yet): the row kernel streams 2 x V elements per
 # row; 4096-wide blocks with 8 warps give 16 elements per thread per iteration.
 _GPU_BLOCK_V, _GPU_ROW_WARPS = 4096, 8
-# "A few hundred MB at most" for the logits scratch (untuned; smaller chunks starve the dh GEMM,
-# whose output is only chunk_rows x C).
+# "A few hundred MB at most" for the logits scratch (untuned).
 _GPU_CHUNK_BYTES = 256 << 20
-_GPU_FILL = 132 * 64 * 128  # dh GEMM elements for one gemm.py small-config 64 x 128 tile per H100 SM
+# Chunk rows: each chunk's two GEMMs (logits = h w^T, dh = dlogits w) read all of w (V, C), so their
+# arithmetic intensity is ~rows * C / (rows + C) flop/byte (H100 ridge: ~990 TF/s / 3.35 TB/s ~ 300).
+# The default takes the fewest rows that reach _GPU_INTENSITY; more rows only cost scratch. The dh
+# GEMM's output (rows, C) fills the GPU at any row count now (gemm.py's split-K path), so rows no
+# longer have to fill ~132 dh tiles (the old rule). 430 reproduces the chunks the H100 step profile
+# measured (Qwen3-0.6B 768 rows: intensity 439; Llama-3.2-1B 640 rows: 488; the logits GEMM ~680
+# TF/s there); untuned beyond that (tools/splitk_bench.py times the op at other chunk sizes).
+_GPU_INTENSITY = 430
 _INTERP_BLOCK_V, _INTERP_CHUNK_ROWS = 512, 64  # small, so the CPU tests cross block and chunk edges
 # ... but a model-sized lm_head (V * C >= 2^18; the tests' stay below) gets chunks of 512 rows (gemm's
 # interpreter BLOCK_M: w is read once per chunk, not once per 64 rows) and the whole vocab in one
@@ -143,9 +154,18 @@ def _default_chunk_rows(N, V, C, elsize, interpret):
         if V * C < 2**18:
             return _INTERP_CHUNK_ROWS
         return max(_INTERP_CHUNK_ROWS, min(_INTERP_BIG_CHUNK_ROWS, _GPU_CHUNK_BYTES // (V * elsize)))
-    fill = triton.cdiv(triton.cdiv(_GPU_FILL, C), 128) * 128  # rows for ~132 dh tiles
     cap = max(128, _GPU_CHUNK_BYTES // (V * elsize) // 128 * 128)  # rows within the budget
-    return max(1, min(fill, cap, N))
+    if C <= _GPU_INTENSITY:  # a narrow model never reaches it: as many rows as the budget allows
+        return max(1, min(cap, N))
+    rows = triton.cdiv(triton.cdiv(_GPU_INTENSITY * C, C - _GPU_INTENSITY), 128) * 128
+    return max(1, min(rows, cap, N))
+
+
+def _gemm_workspace_bytes(N, V, C, elsize, chunk_rows):
+    """The largest split-K workspace (gemm.py) the chunk GEMMs allocate, logits (rows, V) over C and
+    dh (rows, C) over V, for a full and the last chunk (for the activation planner)."""
+    rows = {min(chunk_rows, N), N % chunk_rows} - {0}
+    return max([0] + [splitk_workspace_bytes(r, n, k, elsize) for r in rows for n, k in ((V, C), (C, V))])
 
 
 def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None):

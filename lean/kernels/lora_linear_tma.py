@@ -1,27 +1,88 @@
 """The fused LoRA linear's Hopper path: persistent TMA kernels for lora_linear.py (p = 0).
 
+Shape legend: N tokens in the packed batch, K input features, O output features, R LoRA rank,
+RP the rank padded to a power of two >= 16 (lora_linear_bwd's zero-padded copies of a and b).
+
 Same math, shapes and rounding as lean/kernels/lora_linear.py's pointer kernels (see its
-docstring): forward y = x W^T + bias + scale * (x A^T) B^T with xa = x A^T written; backward
-kernel 1 dx (=, or +=) dy W + scale * (dy B) A with dy B written. Tiles arrive by TMA descriptors
-(lean/kernels/gemm.py: tma_desc), one persistent program per SM walks grouped tiles. lora_linear
-picks them when dropout is 0, the inputs are TMA-describable and the GEMM has at least
-gemm.TMA_MIN_MACS multiply-adds (each launch costs ~45 us of host time for its descriptors).
-Tested: tests/test_lora_linear.py::test_lora_linear_tma_kernels (H100, bf16, against the
-reference by the tolerance rule; a spy checks these kernels ran).
+docstring): forward y = x W^T + bias + scale * xa B^T with xa = x A^T written; backward kernel 1
+dx (=, or +=) dy W + scale * dyb A with dyb = dy B written. The rank-R product comes first, from
+a skinny memory-bound kernel (_lora_lowrank_kernel: lora_xa / lora_dyb, one read of x or dy);
+then the GEMM's main loop is exactly gemm.py's _matmul_tma_kernel loop (x and W tiles by TMA
+descriptors, one persistent program per SM walking grouped tiles) and its epilogue reads the
+(BLOCK_M, BLOCK_R) xa / dyb tile with pointers and adds its product with the B^T (A) tile.
+(Inside the main loop, as the pointer kernels do it, the rank-R product costs an N = 16 wgmma
+every K step and 10-20% of the GEMM's speed on an H100: the numbers are beside _TMA_PRE.)
+
+Rounding: the rank-R product accumulates in fp32 and is rounded once to x's (dy's) dtype (the
+stored xa / dyb); the epilogue multiplies that by scale in fp32, rounds again (exact for
+power-of-two scales) and adds its product into the GEMM's fp32 accumulator; one rounding of y
+(dx) at the end. The pointer kernels round alike and differ only in summation order.
+
+    lora_xa(xa, x, a):    xa  (N, R)  = x (N, K) A^T,  a (R, K);  x's dtype, fp32 accumulation
+    lora_dyb(dyb, dy, b): dyb (N, RP) = dy (N, O) B,   b (O, RP); dy's dtype, fp32 accumulation
+
+lora_linear picks these kernels when dropout is 0, the inputs are TMA-describable (16-byte
+aligned bases and row strides) and the GEMM has at least gemm.TMA_MIN_MACS multiply-adds (each
+descriptor costs ~45 us of host time; a captured step lowers the threshold to 0:
+gemm.tma_at_every_size). Nothing is saved here beyond xa (the forward's output).
+Supported: the TMA kernels take 16-bit inputs on a GPU (fp32 runs IEEE products on small tiles: a
+test path); R (RP) 1..128; any N, K, O with 16-byte rows. lora_xa / lora_dyb: any float dtype.
+Tested: tests/test_lora_linear_tma.py (lora_xa, lora_dyb and the two GEMMs: fp32 and fp16 under the
+interpreter with odd sizes, bias, accumulate, rank 5, 8 and 16; bf16 on the H100 at N = 8192
+sizes); tests/test_lora_linear.py::test_lora_linear_tma_kernels (as lora_linear picks them).
+Speed: tools/lora_bench.py (H100, bf16, against cuBLAS).
+Caution:
+  - R = 8: the forward's epilogue loads xa's 16-byte rows masked to (BLOCK_M, 16), the pattern that
+    once gave a wrong dy B on an H100 inside a main loop (lora_linear.py's Caution); the bf16
+    GPU test at R = 8 passes.
+  - Not offered: tl.range(flatten=True) on the persistent loop (176 KB of shared memory at R = 16;
+    wrong results on the H100 once combined with loads ahead of the main loop) and warp
+    specialisation (Triton 3.6 on sm_90 ignores it at 8 warps and fails to compile it at 4 warps
+    with pointer loads in the epilogue).
+  - y, dx must not alias x, dy or w (other programs still read them while tiles are stored).
 """
+import torch
 import triton
 import triton.language as tl
 
-from lean.kernels.gemm import GROUP_M, NUM_SMS, grouped_tile, tma_desc
+from lean.kernels._check import check
+from lean.kernels.gemm import FLOATS, GROUP_M, NUM_SMS, grouped_tile, interpret_config, interpreting, tma_desc
 
 
 @triton.jit
-def _lora_linear_fwd_tma_kernel(
-    y_ptr, xa_ptr,                          # (N, O) out; (N, R) out
-    x_desc, w_desc, a_desc,                 # descriptors: x (N, K) tiles (BM, BK), w (O, K) (BN, BK), a (R, K) (BR, BK)
-    b_ptr, bias_ptr,                        # (O, R); (O,) or dummy
+def _lora_lowrank_kernel(
+    out_ptr,                                # (N, R) out, contiguous: u v rounded to out's dtype
+    u_ptr, v_ptr,                           # u (N, K) row stride stride_u; v (K, R) at k*stride_vk + r*stride_vr
+    N, K, R, stride_u, stride_vk, stride_vr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out = u v for a skinny v: xa = x A^T (v = a.t(), stride_vk = 1) and dyb = dy B (v = b,
+    stride_vr = 1; a unit stride is specialised by Triton, so either load vectorises)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok, r_ok = rm < N, rr < R
+    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * stride_u + rk[None, :]
+    v_ptrs = v_ptr + rk[:, None] * stride_vk + rr[None, :] * stride_vr   # (BLOCK_K, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        ut = tl.load(u_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
+        u_ptrs += BLOCK_K
+        v_ptrs += BLOCK_K * stride_vk
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_linear_fwd_tma_pre_kernel(
+    y_ptr,                                  # (N, O) out
+    x_desc, w_desc,                         # descriptors: x (N, K) tiles (BM, BK), w (O, K) (BN, BK)
+    xa_ptr, b_ptr, bias_ptr,                # (N, R) from lora_xa; (O, R); (O,) or dummy
     N, K, O, R, stride_y, scale, n_programs,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -31,20 +92,17 @@ def _lora_linear_fwd_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, n_programs):
         pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xt = x_desc.load([pid_m * BLOCK_M, k0])
-            acc = tl.dot(xt, w_desc.load([pid_n * BLOCK_N, k0]).T, acc)
-            xa = tl.dot(xt, a_desc.load([0, k0]).T, xa)
+        for k0 in range(0, K, BLOCK_K):                               # gemm.py's TMA main loop
+            acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([pid_n * BLOCK_N, k0]).T, acc,
+                         input_precision=PRECISION)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < N, rn < O
-        xa_lp = xa.to(xa_ptr.dtype.element_ty)
-        if pid_n == 0:
-            tl.store(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], xa_lp, mask=m_ok[:, None] & r_ok[None, :])
-        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+        xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
         bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(xs, bt, acc)
+        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+        acc = tl.dot(xs, bt, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -52,12 +110,12 @@ def _lora_linear_fwd_tma_kernel(
 
 
 @triton.jit
-def _lora_linear_bwd_tma_kernel(
-    dx_ptr, dyb_ptr,                        # (N, K) out; (N, R) out: dy B in dy's dtype
-    dy_desc, w_desc, b_desc,                # descriptors: dy (N, O) tiles (BM, BO), w (O, K) (BO, BN), b (O, R) (BO, BR)
-    a_ptr,                                  # (R, K)
+def _lora_linear_bwd_tma_pre_kernel(
+    dx_ptr,                                 # (N, K) out (ACCUMULATE: +=)
+    dy_desc, w_desc,                        # descriptors: dy (N, O) tiles (BM, BO), w (O, K) (BO, BN)
+    dyb_ptr, a_ptr,                         # (N, R) from lora_dyb; (R, K)
     N, K, O, R, stride_dx, scale, n_programs,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -67,57 +125,119 @@ def _lora_linear_bwd_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, n_programs):
         pid_m, pid_n = grouped_tile(tile, N, K, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for o0 in range(0, O, BLOCK_O):
-            dyt = dy_desc.load([pid_m * BLOCK_M, o0])
-            acc = tl.dot(dyt, w_desc.load([o0, pid_n * BLOCK_N]), acc)
-            dyb = tl.dot(dyt, b_desc.load([o0, 0]), dyb)
+        for o0 in range(0, O, BLOCK_O):                               # gemm.py's TMA main loop
+            acc = tl.dot(dy_desc.load([pid_m * BLOCK_M, o0]), w_desc.load([o0, pid_n * BLOCK_N]), acc,
+                         input_precision=PRECISION)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < N, rn < K
-        dyb_lp = dyb.to(dyb_ptr.dtype.element_ty)                     # rounded like torch's dy B
-        if pid_n == 0:
-            tl.store(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], dyb_lp, mask=m_ok[:, None] & r_ok[None, :])
+        dyb_lp = tl.load(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :],
+                         mask=m_ok[:, None] & r_ok[None, :], other=0.0)
         at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
-        acc = tl.dot(dyb_s, at, acc)
+        acc = tl.dot(dyb_s, at, acc, input_precision=PRECISION)
         dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
         if ACCUMULATE:
             acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# The Hopper TMA kernels (p = 0, TMA-describable inputs, >= gemm.TMA_MIN_MACS; the pointer kernels
-# serve the rest). Evidence: tools/step_levers.py (now), H100, bf16, N = 8192, CUDA-graph medians,
-# whole ops (backward: with its da/db passes): Llama-3.2-1B q/o fwd 131 us (pointer 144, cuBLAS base
-# GEMM alone 100), gate/up 535 (581; 417), down 489 (532; 388); bwd q/o 162 (190), gate/up 554 (659),
-# down 594 (694). Forward s4 beat s3 by 1-4% on these shapes, 256x128 trailed by 8-19%. The LoRA
-# product inside the main loop (an N = 16 wgmma per K step) keeps them at 0.75-0.8x cuBLAS; the plain
-# persistent TMA GEMM reaches 0.94-1.03x.
-_FWD_TMA = (128, 256, 64, 8, 4)
-_BWD_TMA = (128, 256, 64, 8, 3)
+# ---------------------------------------------------------------------------------------------
+# Launch configurations (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit, H100.
+# tools/lora_bench.py, H100, bf16, N = 8192, R = 16, CUDA-graph medians, whole ops (pre-pass
+# included), x cuBLAS's base GEMM alone: forward 0.82-0.95x (Llama-3.2-1B q/o 0.79-0.85, gate/up
+# 0.92-0.94, down 0.89-0.91; Qwen3-8B MLP 0.84-0.95), backward kernel 1 0.76-1.02x. The earlier
+# form with the rank-R product inside the main loop (an N = 16 wgmma every K step) measured
+# 0.73-0.81x forward and 0.74-0.85x backward on the same shapes, in the same runs; gemm.py's plain
+# TMA loop (no LoRA) 0.87-1.06x. Loading the epilogue's xa / B tiles before the main loop instead
+# of after it: within noise (+-4%, both signs). s4 within 3% of s3.
+_TMA_PRE = (128, 256, 64, 8, 3)
+_TMA_PRE_FP32 = (64, 64, 32, 4, 2)      # fp32 test path (IEEE products): untuned
+# lora_xa / lora_dyb (BLOCK_M, BLOCK_K, num_warps, num_stages): untuned. Memory-bound: 64 rows a
+# program gives 128 programs at N = 8192 (one wave on 132 SMs) with 4 stages of 16 KB x tiles in
+# flight each (cp.async, 16-byte vectors); smaller N: 32 or 16 rows, >= 116 programs where N allows.
+_LOWRANK = (64, 128, 4, 4)
+_LOWRANK_FP32 = (64, 32, 4, 3)          # 4-byte tiles: within shared memory up to R = 128; untuned
 
 
-def _fwd_tma(y, xa, x, w, a, b, scale, bias, BR):
-    """lora_linear_fwd (p = 0) on _lora_linear_fwd_tma_kernel."""
+def _n_programs(tiles):
+    """Persistent grid: one program per SM; under the interpreter 3, so each walks several tiles
+    (the GPU's path) and the CPU tests stay fast."""
+    return min(tiles, 3 if interpreting() else NUM_SMS)
+
+
+def _lowrank(out, u, v):
+    """out (N, R) = u (N, K) v (K, R) on _lora_lowrank_kernel; v any 2-D view of a contiguous tensor."""
+    (N, K), R = u.shape, v.shape[1]
+    if interpreting():
+        BM, _, BK, warps, stages = interpret_config(N, R, K)
+    else:
+        BM, BK, warps, stages = _LOWRANK_FP32 if u.dtype == torch.float32 else _LOWRANK
+        while BM > 16 and triton.cdiv(N, BM) < NUM_SMS - NUM_SMS // 8:
+            BM //= 2
+    _lora_lowrank_kernel[(triton.cdiv(N, BM),)](
+        out, u, v, N, K, R, u.stride(0), v.stride(0), v.stride(1),
+        BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        PRECISION="ieee" if u.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+
+
+def lora_xa(xa, x, a):
+    """xa (N, R) = x (N, K) A^T, a (R, K); x's dtype, fp32 accumulation rounded once."""
+    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    N, K = x.shape
+    check(a, "a", shape=(None, K), dtype=x.dtype, device=x.device, contiguous=True)
+    R = a.shape[0]
+    check(xa, "xa", shape=(N, R), dtype=x.dtype, device=x.device, contiguous=True)
+    if not 1 <= R <= 128:
+        raise ValueError(f"a: LoRA rank R={R} outside the supported 1..128")
+    if N > 0:
+        _lowrank(xa, x, a.t())
+
+
+def lora_dyb(dyb, dy, b):
+    """dyb (N, RP) = dy (N, O) B, b (O, RP); dy's dtype, fp32 accumulation rounded once."""
+    check(dy, "dy", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    N, O = dy.shape
+    check(b, "b", shape=(O, None), dtype=dy.dtype, device=dy.device, contiguous=True)
+    RP = b.shape[1]
+    check(dyb, "dyb", shape=(N, RP), dtype=dy.dtype, device=dy.device, contiguous=True)
+    if not 1 <= RP <= 128:
+        raise ValueError(f"b: LoRA rank {RP} outside the supported 1..128")
+    if N > 0:
+        _lowrank(dyb, dy, b)
+
+
+def _pre_config(M, N, K, dtype, config):
+    if config is not None:
+        return config
+    if interpreting():
+        return interpret_config(M, N, K)
+    return _TMA_PRE_FP32 if dtype == torch.float32 else _TMA_PRE
+
+
+def _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, *, config=None):
+    """lora_linear_fwd (p = 0) on the Hopper path: xa by lora_xa's kernel, then
+    _lora_linear_fwd_tma_pre_kernel. config (BM, BN, BK, warps, stages): tools/lora_bench.py only."""
     (N, K), O, R = x.shape, w.shape[0], a.shape[0]
-    BM, BN, BK, warps, stages = _FWD_TMA
-    n_programs = min(NUM_SMS, triton.cdiv(N, BM) * triton.cdiv(O, BN))
-    _lora_linear_fwd_tma_kernel[(n_programs,)](
-        y, xa, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), tma_desc(a, (BR, BK)), b,
-        bias if bias is not None else y, N, K, O, R, y.stride(0), float(scale), n_programs,
-        HAS_BIAS=bias is not None, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M,
-        num_warps=warps, num_stages=stages)
+    _lowrank(xa, x, a.t())                                            # xa (N, R)
+    BM, BN, BK, warps, stages = _pre_config(N, O, K, x.dtype, config)
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN))
+    _lora_linear_fwd_tma_pre_kernel[(n_programs,)](
+        y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), xa, b, bias if bias is not None else y,
+        N, K, O, R, y.stride(0), float(scale), n_programs,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
 
 
-def _bwd_tma(dx, dyb, dy, w, a, b, scale, accumulate):
-    """lora_linear_bwd's kernel 1 (p = 0, dx wanted) on _lora_linear_bwd_tma_kernel; a, b already
-    padded to the rank RP of dyb."""
+def _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate, *, config=None):
+    """lora_linear_bwd's kernel 1 (p = 0, dx wanted; a, b padded to the rank RP of dyb) on the
+    Hopper path: dyb by lora_dyb's kernel, then _lora_linear_bwd_tma_pre_kernel."""
     (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
-    BM, BN, BO, warps, stages = _BWD_TMA
-    n_programs = min(NUM_SMS, triton.cdiv(N, BM) * triton.cdiv(K, BN))
-    _lora_linear_bwd_tma_kernel[(n_programs,)](
-        dx, dyb, tma_desc(dy, (BM, BO)), tma_desc(w, (BO, BN)), tma_desc(b, (BO, RP)), a,
+    _lowrank(dyb, dy, b)                                              # dyb (N, RP)
+    BM, BN, BO, warps, stages = _pre_config(N, K, O, dy.dtype, config)
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(K, BN))
+    _lora_linear_bwd_tma_pre_kernel[(n_programs,)](
+        dx, tma_desc(dy, (BM, BO)), tma_desc(w, (BO, BN)), dyb, a,
         N, K, O, RP, dx.stride(0), float(scale), n_programs,
-        ACCUMULATE=accumulate, BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
-        num_warps=warps, num_stages=stages)
+        ACCUMULATE=bool(accumulate), PRECISION="ieee" if dy.dtype == torch.float32 else "tf32",
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)

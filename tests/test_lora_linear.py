@@ -4,7 +4,7 @@ import torch
 
 import lean.kernels.gemm as G
 import lean.kernels.lora_linear as L
-from lean.kernels.lora_linear import (linear_bwd, linear_fwd, lora_dropout_mask, lora_linear_bwd,
+from lean.kernels.lora_linear import (dyb_width, linear_bwd, linear_fwd, lora_dropout_mask, lora_linear_bwd, lora_linear_bwd_da,
                                       lora_linear_fwd)
 from tests.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -212,13 +212,14 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     enough problems) against torch, dx accumulation included: on the CPU through the interpreter with the choice
     forced, on the GPU as chosen. Fails if either TMA kernel did not run."""
     monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are far below the size that picks TMA
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
     if DEVICE == "cpu":
         monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
     calls = []
-    _spy(monkeypatch, L, "_fwd_tma", calls)
-    _spy(monkeypatch, L, "_bwd_tma", calls)
+    _spy(monkeypatch, L, "_fwd_tma_pre", calls)
+    _spy(monkeypatch, L, "_bwd_tma_pre", calls)
     test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
-    assert calls == ["_fwd_tma", "_bwd_tma"], f"TMA kernels not used: {calls}"
+    assert calls == ["_fwd_tma_pre", "_bwd_tma_pre"], f"TMA kernels not used: {calls}"
     g = fresh_generator()
     x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
     xa = (x.float() @ a.float().t()).to(LOWP)
@@ -264,3 +265,33 @@ def test_lora_linear_rejects_bad_arguments():
         linear_fwd(y, x, torch.zeros(O, K + 1, device=DEVICE))
     with pytest.raises(ValueError, match=r"dx: expected shape \(8, 16\)"):
         linear_bwd(torch.zeros(N, K + 1, device=DEVICE), dy, w)
+
+
+@pytest.mark.parametrize("p,R", [(0.0, 16), (0.1, 8), pytest.param(0.0, 16, marks=pytest.mark.gpu, id="gpu-real")])
+def test_deferred_da_equals_the_whole_backward(p, R, request):
+    """x=None + lora_linear_bwd_da (dense.py's backward: the layer did not keep x) gives dx, da, db
+    bit for bit equal to one whole lora_linear_bwd call."""
+    g = fresh_generator()
+    gpu = "gpu-real" in request.node.name
+    N, K, O = (8192, 2048, 8192) if gpu else (67, 131, 37)
+    dt = torch.bfloat16 if gpu else torch.float32
+    x, w, a, b, bias, dy = _problem(N, K, O, R, dt, g, False)
+    y, xa = torch.empty(N, O, device=DEVICE, dtype=dt), torch.empty(N, R, device=DEVICE, dtype=dt)
+    lora_linear_fwd(y, xa, x, w, a, b, 0.5, dropout=p, seed=5)
+    outs = []
+    for deferred in (False, True):
+        da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
+        dx = torch.empty(N, K, device=DEVICE, dtype=dt)
+        poison(dx)
+        if deferred:
+            dyb = torch.empty(N, dyb_width(R), device=DEVICE, dtype=dt)
+            lora_linear_bwd(dx, da, db, dy, None, xa, w, a, b, 0.5, dropout=p, seed=5, dyb=dyb)
+            assert torch.equal(da, torch.zeros_like(da)), "da moved before lora_linear_bwd_da"
+            lora_linear_bwd_da(da, dyb, x, 0.5, dropout=p, seed=5)
+        else:
+            lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, 0.5, dropout=p, seed=5)
+        outs.append((dx, da, db))
+    for name, u, v in zip(["dx", "da", "db"], *outs):
+        assert torch.equal(u, v), f"{name}: deferred differs from the whole backward by {(u - v).abs().max().item():.3e}"
+    with pytest.raises(TypeError, match="dyb: expected a torch.Tensor"):
+        lora_linear_bwd(dx, da, db, dy, None, xa, w, a, b, 0.5, dropout=p, seed=5)

@@ -176,3 +176,21 @@ def test_rejects_bad_arguments():
         rmsnorm_bwd(dx, None, torch.randn(37, 7, device=DEVICE).t(), x, w, rstd)
     with pytest.raises(ValueError, match="rstd: expected device"):
         rmsnorm_bwd(dx, None, dy, x, w, torch.empty(7, device="meta"))
+
+
+@pytest.mark.parametrize("N,C", [(7, 131), (129, 1000), pytest.param(4099, 4096, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bwd_rewrites_y_bitwise(dtype, N, C):
+    """y= over dy (as dense.py's backward uses it, residual fused and dx over dresidual) gives back
+    the forward's y bit for bit, and dx is the bits of the plain backward."""
+    g = fresh_generator()
+    s, d, w = randn(N, C, g=g, dtype=dtype, scale=3.0), randn(N, C, g=g, dtype=dtype), _weight(C, g, dtype)
+    y_fwd, h, rstd = torch.empty_like(s), torch.empty_like(s), torch.empty(N, device=DEVICE)
+    rmsnorm_fwd(y_fwd, rstd, s, w, EPS, residual=d, h=h)
+    dy, dres = randn(N, C, g=g, dtype=dtype), randn(N, C, g=g, dtype=dtype)
+    dx0 = dres.clone()
+    rmsnorm_bwd(dx0, None, dy.clone(), h, w, rstd, dresidual=dx0)
+    dx, y = dres.clone(), dy.clone()
+    rmsnorm_bwd(dx, None, y, h, w, rstd, dresidual=dx, y=y)
+    assert torch.equal(y, y_fwd), f"rebuilt y differs from the forward's in {(y != y_fwd).sum().item()} elements"
+    assert torch.equal(dx, dx0), "y= changed dx"

@@ -73,3 +73,25 @@ def test_rejects_bad_arguments():
         swiglu_bwd(torch.empty_like(g), torch.empty_like(g).half(), torch.randn_like(g), g, u)
     with pytest.raises(ValueError, match="dg: expected device"):
         swiglu_bwd(torch.empty(7, 37, device="meta"), torch.empty_like(g), torch.randn_like(g), g, u)
+
+
+@pytest.mark.parametrize("over_dh", [False, True])
+@pytest.mark.parametrize("N,F", [(7, 131), pytest.param(4096, 8192, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bwd_rewrites_h_bitwise(dtype, N, F, over_dh):
+    """h= gives back the forward's h bit for bit (the layer drops it after the down projection),
+    over dh or into its own buffer, and dg, du are the bits of the plain backward."""
+    gen = fresh_generator()
+    gu, g, u = _gate_up(N, F, gen, dtype)
+    h_fwd = torch.empty(N, F, device=DEVICE, dtype=dtype)
+    swiglu_fwd(h_fwd, g, u)
+    dh = randn(N, F, g=gen, dtype=dtype)
+    dg0, du0 = torch.empty_like(g), torch.empty_like(u)
+    swiglu_bwd(dg0, du0, dh, g, u)
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    h = dh.clone() if over_dh else torch.empty_like(dh)
+    grad = h if over_dh else dh
+    poison(dg, du, None if over_dh else h)
+    swiglu_bwd(dg, du, grad, g, u, h=h)
+    assert torch.equal(h, h_fwd), f"rebuilt h differs from the forward's in {(h != h_fwd).sum().item()} elements"
+    assert torch.equal(dg, dg0) and torch.equal(du, du0), "h= changed the gradients"

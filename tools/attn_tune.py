@@ -30,9 +30,10 @@ SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of th
     "fwd": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 128, 8, 3), (64, 32, 4, 3),
             (64, 64, 8, 3), (128, 64, 8, 3)],
     "dkdv": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 8, 3), (16, 64, 4, 3),
-             (64, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 3)],
+             (64, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3),
+             (64, 128, 8, 3), (64, 128, 8, 2), (16, 128, 4, 3)],
     "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4, 2),
-           (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3)],
+           (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3)],
 }
 TABLES = {"fwd": "_FWD_CONFIG", "dkdv": "_DKDV_CONFIG", "dq": "_DQ_CONFIG"}
 
@@ -179,8 +180,8 @@ def _compile_job(job):
     return _run_config(*job, time_it=False)
 
 
-def sweep(compile_only, workers):
-    jobs = [(kernel, D, cfg) for kernel, cfgs in SWEEP.items() for _, _, D in HEADS for cfg in cfgs]
+def sweep(compile_only, workers, kernels=tuple(SWEEP)):
+    jobs = [(kernel, D, cfg) for kernel, cfgs in SWEEP.items() if kernel in kernels for _, _, D in HEADS for cfg in cfgs]
     if compile_only:   # fill the on-disk Triton cache in parallel; timing runs serially afterwards
         import multiprocessing as mp
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
@@ -206,10 +207,12 @@ if __name__ == "__main__":
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--kernels", default="fwd,dkdv,dq", help="the sweep's kernels, comma-separated")
+    ap.add_argument("--no-compare", action="store_true", help="skip the comparison with torch's flash")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
     print("configs:", {k: getattr(A, v) for k, v in TABLES.items()})
     if args.sweep:
-        sweep(args.compile_only, args.workers)
-    if not args.compile_only:
+        sweep(args.compile_only, args.workers, tuple(args.kernels.split(",")))
+    if not (args.compile_only or args.no_compare):
         compare()

@@ -213,7 +213,7 @@ def preload_cudart():
     return "libcudart.so.12 not found: no xformers"
 
 
-def run_unsloth(name, layout, warmup, steps, smoke):
+def run_unsloth(name, layout, warmup, steps, smoke, checkpointing=False):
     folder = ensure_folder(name, smoke)
     if smoke:  # the folder is what Unsloth loads: transformers must load it too
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -231,11 +231,12 @@ def run_unsloth(name, layout, warmup, steps, smoke):
     from unsloth import FastLanguageModel  # before transformers and peft: it patches them
 
     total = bench_step.TOKENS
+    ckpt = "unsloth" if checkpointing else False  # "unsloth": its offloaded gradient checkpointing
     model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=total, dtype=torch.bfloat16,
-                                                 load_in_4bit=False, use_gradient_checkpointing=False)
+                                                 load_in_4bit=False, use_gradient_checkpointing=ckpt)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                             bias="none", use_gradient_checkpointing=False, random_state=0)
-    FastLanguageModel.for_training(model, use_gradient_checkpointing=False)
+                                             bias="none", use_gradient_checkpointing=ckpt, random_state=0)
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=ckpt)
     batches = []
     for seed in (1, 2):
         batch, lens = hf_inputs(layout, model.config.vocab_size, total, "cuda", seed)
@@ -246,17 +247,18 @@ def run_unsloth(name, layout, warmup, steps, smoke):
     from unsloth.utils import attention_dispatch
 
     attn = "xformers" if getattr(attention_dispatch, "HAS_XFORMERS", False) else "no xformers"
-    return dict(tokens=total, ms=t * 1e3, loss=loss, checkpointing=checkpointing_on(model), note=" ".join(filter(None, [attn, note])))
+    note = " ".join(filter(None, [attn, note, "offloaded checkpointing" * checkpointing]))
+    return dict(tokens=total, ms=t * 1e3, loss=loss, checkpointing=checkpointing_on(model) or checkpointing, note=note)
 
 
 # =============================================================================================
-def run(framework, name, layout, warmup, steps, smoke, graph, budget=None):
+def run(framework, name, layout, warmup, steps, smoke, graph, budget=None, checkpointing=False):
     if framework == "lean":
         return bench_step.run_lean(name, layout, warmup, steps, graph=graph, smoke=smoke, budget_gib=budget)
     if framework in ("hf", "liger"):
         return run_hf(name, layout, warmup, steps, smoke, liger=framework == "liger")
     if framework == "unsloth":
-        return run_unsloth(name, layout, warmup, steps, smoke)
+        return run_unsloth(name, layout, warmup, steps, smoke, checkpointing)
     raise SystemExit(f"bench_peers: unknown framework {framework!r}: {', '.join(bench_step.FRAMEWORKS)}")
 
 
@@ -270,6 +272,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU, tiny config, fp32, interpreter")
     p.add_argument("--graph", action="store_true", help="lean only: also the whole step from lean.StepGraph")
     p.add_argument("--budget", type=float, help="lean only: VRAM budget in GiB for the activation plan")
+    p.add_argument("--checkpointing", action="store_true", help="unsloth only: its offloaded gradient checkpointing")
     a = p.parse_args(argv)
     if a.framework == "folder":
         write_folder(a.model, a.smoke)
@@ -278,7 +281,7 @@ def main(argv=None):
     if cuda:
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
-    row = run(a.framework, a.model, a.layout, a.warmup, a.steps, a.smoke, a.graph, a.budget)
+    row = run(a.framework, a.model, a.layout, a.warmup, a.steps, a.smoke, a.graph, a.budget, a.checkpointing)
     if cuda and row.get("status", "ok") == "ok":
         row.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30)  # lean sets its own
     print("ROW " + json.dumps(row), flush=True)

@@ -44,7 +44,9 @@ lean's rows (the child runs them in one process, eager first):
   --budget G  both rows run under lean.runtime.plan.plan_for(model, lora, 8192, G GiB): the fewest
               recomputed / offloaded layers that fit G (the note names the plan and its predicted
               peak; recompute is flagged like the peers' checkpointing). A budget no plan fits
-              fails the row with PlanError's message. Peers ignore it.
+              fails the row with PlanError's message. Unsloth's row then runs with its offloaded
+              gradient checkpointing (use_gradient_checkpointing="unsloth"), PEERS.md's memory-bound
+              setting; HF and Liger ignore it.
 
 Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
 fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
@@ -245,7 +247,10 @@ def graph_equals_eager(lean, graph, model, lora, opt, docs, plan):
     restore()
     eager_batch = lean.pack(docs, graph.budget, pad_to=graph.budget, max_docs=graph.max_docs, device="cuda")
     lora.zero_grad()
-    loss_e, _ = lean.forward_backward(model, lora, eager_batch, seed=0, plan=plan)
+    from lean.kernels.gemm import tma_at_every_size
+
+    with tma_at_every_size():  # the kernels StepGraph captured
+        loss_e, _ = lean.forward_backward(model, lora, eager_batch, seed=0, plan=plan)
     opt.step()
     same = torch.equal(loss_g, loss_e) and torch.equal(params_g, lora.params)  # host sync: a check, before timing
     restore()
@@ -319,6 +324,8 @@ def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, bu
     cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework == "lean")
     if budget is not None and framework == "lean":
         cmd += ["--budget", str(budget)]
+    if budget is not None and framework == "unsloth":  # the memory-bound row on both sides
+        cmd += ["--checkpointing"]
     # Unsloth writes unsloth_compiled_cache/ into its working directory: keep it out of the repo.
     cwd = os.path.join("/tmp", "bench_step") if framework == "unsloth" else ROOT
     os.makedirs(cwd, exist_ok=True)

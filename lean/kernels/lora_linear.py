@@ -28,9 +28,15 @@ Backward (the forward read bottom-up; dy B is the gradient flowing into xa):
   given shape. += lets micro-batches accumulate; the caller zeroes da/db once per step.
 
 Hopper: with p = 0, 16-bit TMA-describable inputs (16-byte aligned bases and row strides) and at
-least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost outweighs the gain) the
-forward kernel and backward kernel 1 run as _lora_linear_fwd_tma_kernel / _lora_linear_bwd_tma_kernel:
-the same math and epilogues, tiles loaded by TMA through host descriptors, a persistent grid.
+least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost outweighs the gain;
+a captured step lowers it to 0) the forward kernel and backward kernel 1 run on
+lora_linear_tma.py's kernels: the rank-R product from a pre-pass, then gemm.py's TMA main loop
+with the same epilogue (0.8-1.0x cuBLAS's base GEMM alone, against 0.75-0.8x with the product
+inside the main loop).
+
+Deferred dA (lora_linear_bwd with x=None, then lora_linear_bwd_da): a layer that does not keep a
+projection's input (dense.py drops n1, n2, act) runs kernel 1 and the db partials first and the
+da partials once a later backward kernel has rebuilt x; same kernels, same bits.
 
 Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x), regenerated
 identically by the forward pre-pass and both backward kernels; reproducible for a seed.
@@ -59,7 +65,7 @@ import triton.language as tl
 from lean.kernels._check import check
 from lean.kernels.gemm import (FLOATS, NUM_SMS, grouped_tile, interpret_big, interpret_config, interpreting,
                                matmul, tma_ok)
-from lean.kernels.lora_linear_tma import _bwd_tma, _fwd_tma
+from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
 
 
 @triton.jit
@@ -315,13 +321,16 @@ def _block_r(R):
     return max(16, triton.next_power_of_2(R))
 
 
-def _check_lora(x, w, a, b, dropout, seed):
-    """Shared checks of the forward and backward inputs; returns (N, K, O, R)."""
-    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
-    N, K = x.shape
-    dev, dt = x.device, x.dtype
-    check(w, "w", shape=(None, K), dtype=dt, device=dev, contiguous=True)
-    O = w.shape[0]
+def _check_lora(x, w, a, b, dropout, seed, dy=None):
+    """Shared checks of the forward and backward inputs; returns (N, K, O, R). x may be None in
+    the backward (da deferred): N then comes from dy."""
+    ref = x if x is not None else dy
+    check(ref, "x" if x is not None else "dy", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    N, dev, dt = ref.shape[0], ref.device, ref.dtype
+    check(w, "w", shape=(None, None), dtype=dt, device=dev, contiguous=True)
+    O, K = w.shape
+    if x is not None and x.shape[1] != K:
+        raise ValueError(f"x: expected {K} features (w is {tuple(w.shape)}), got shape {tuple(x.shape)}")
     check(a, "a", shape=(None, K), dtype=dt, device=dev, contiguous=True)
     R = a.shape[0]
     check(b, "b", shape=(O, R), dtype=dt, device=dev, contiguous=True)
@@ -332,6 +341,11 @@ def _check_lora(x, w, a, b, dropout, seed):
     if not (isinstance(seed, int) and 0 <= seed < 2**63):
         raise ValueError(f"seed: expected an int in [0, 2^63), got {seed!r}")
     return N, K, O, R
+
+
+def dyb_width(R):
+    """Columns of the dy B buffer lora_linear_bwd writes for a deferred da: R padded for tl.dot."""
+    return _block_r(R)
 
 
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0):
@@ -352,7 +366,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
     if dropout == 0.0 and tma_ok(x, w, a, macs=N * K * O):
-        _fwd_tma(y, xa, x, w, a, b, scale, bias, BR)
+        _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR)
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
@@ -364,15 +378,22 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
         num_warps=warps, num_stages=stages)
 
 
-def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=0, accumulate_dx=False):
+def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=0, accumulate_dx=False,
+                    dyb=None):
     """dx (N, K) = dy W + scale * drop'(dy B A) (skipped if dx is None; += if accumulate_dx);
-    da (R, K) and db (O, R), fp32, += the LoRA gradients. dropout and seed must be the forward's."""
-    N, K, O, R = _check_lora(x, w, a, b, dropout, seed)
-    dev, dt = x.device, x.dtype
+    da (R, K) and db (O, R), fp32, += the LoRA gradients. dropout and seed must be the forward's.
+    x None defers da (the layer did not keep x): pass dyb (N, dyb_width(R)), which receives dy B,
+    and call lora_linear_bwd_da(da, dyb, x, ...) once x is rebuilt."""
+    N, K, O, R = _check_lora(x, w, a, b, dropout, seed, dy=dy)
+    dev, dt = (x if x is not None else dy).device, (x if x is not None else dy).dtype
     check(dy, "dy", shape=(N, O), dtype=dt, device=dev, last_contiguous=True)
     check(xa, "xa", shape=(N, R), dtype=dt, device=dev, contiguous=True)
     if dx is not None:
         check(dx, "dx", shape=(N, K), dtype=dt, device=dev, last_contiguous=True)
+    if x is None:
+        check(dyb, "dyb", shape=(N, _block_r(R)), dtype=dt, device=dev, contiguous=True)
+    elif dyb is not None:
+        raise ValueError("lora_linear_bwd: dyb is the output of a deferred da (x=None); with x given it stays internal")
     check(da, "da", shape=(R, K), dtype=torch.float32, device=dev, contiguous=True)
     check(db, "db", shape=(O, R), dtype=torch.float32, device=dev, contiguous=True)
     if N == 0:
@@ -389,10 +410,11 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
 
     # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
     BM, BN, BO, warps, stages = _bwd_config(dt, dropout, N, K, O)
-    dyb = torch.empty((N, RP), device=dev, dtype=dt)                      # (N, RP)
+    if dyb is None:
+        dyb = torch.empty((N, RP), device=dev, dtype=dt)                  # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
     if dx is not None and dropout == 0.0 and tma_ok(dy, w, b, macs=N * K * O):
-        _bwd_tma(dx, dyb, dy, w, a, b, scale, accumulate_dx)
+        _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
     else:
         _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
             dx if dx is not None else dyb, dyb, dy, w, a, b,
@@ -404,8 +426,24 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
 
     # Kernel 2 (twice): partials over token chunks; kernel 3: fixed-order sums into da / db.
     big = interpreting() and interpret_big(N, K, O)
-    _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True, big=big)
+    if x is not None:
+        _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True, big=big)
     _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False, big=big)
+
+
+def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0):
+    """The deferred half of lora_linear_bwd: da (R, K) fp32 += scale * dyb^T drop(x), with dyb
+    the (N, dyb_width(R)) buffer lora_linear_bwd(x=None, dyb=...) wrote and x the rebuilt input."""
+    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    (N, K), dev, dt = x.shape, x.device, x.dtype
+    check(da, "da", shape=(None, K), dtype=torch.float32, device=dev, contiguous=True)
+    check(dyb, "dyb", shape=(N, _block_r(da.shape[0])), dtype=dt, device=dev, contiguous=True)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
+    if N == 0:
+        return
+    big = interpreting() and interpret_big(N, K, K)  # the interpreter's model-sized tiles; GPU: False
+    _lora_grad(da, x, dyb, scale / (1.0 - dropout), seed, dropout, _precision(dt), transposed=True, big=big)
 
 
 def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False):

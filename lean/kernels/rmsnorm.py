@@ -16,6 +16,8 @@ Forward, in HF LlamaRMSNorm / Qwen3RMSNorm cast order:
     n    = round(fp32(h) * rstd)                 to the activation dtype
     y    = round(n * w)                          n * w is exact in fp32, so one rounding
 Saved for backward: rstd. The normalised tensor (h, or x without residual) is the caller's.
+The backward can write y again (y=): a layer that dropped y after its forward gets it back, the
+same bits, from what the backward reads anyway (one more store, no extra pass).
 
 Backward (the forward's roundings treated as identity; all in fp32, each output rounded once):
     nh = fp32(h) * rstd,   dn = dy * w
@@ -82,12 +84,13 @@ def _rmsnorm_fwd_kernel(
 
 @triton.jit
 def _rmsnorm_bwd_kernel(
-    dx_ptr, dw_part_ptr,                          # outputs: (N, C), (P, C) fp32 scratch if dw
+    dx_ptr, dw_part_ptr, y_ptr,                   # outputs: (N, C), (P, C) fp32 scratch if dw, (N, C) if WRITE_Y
     dy_ptr,                                       # incoming gradient: (N, C)
     x_ptr, w_ptr, rstd_ptr, dres_ptr,             # inputs: (N, C), (C,), (N,), (N, C) if dres
-    stride_dx, stride_dy, stride_x, stride_dres,  # row strides, in elements
+    stride_dx, stride_dy, stride_x, stride_dres, stride_y,  # row strides, in elements
     N, C,
-    HAS_DRES: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DRES: tl.constexpr, HAS_DW: tl.constexpr, WRITE_Y: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # Program p takes row blocks p, p + P, p + 2P, ...; without dw, P = number of row blocks.
     pid = tl.program_id(0)
@@ -109,6 +112,10 @@ def _rmsnorm_bwd_kernel(
         if HAS_DRES:   # read before the store: dx may be dresidual itself
             dx += tl.load(dres_ptr + r64 * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if WRITE_Y:    # the forward's y again, the same ops on the same bits (dy was read above)
+            n = nh.to(y_ptr.dtype.element_ty)
+            y = (n.to(tl.float32) * w[None, :]).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r64 * stride_y + cols[None, :], y, mask=mask)
         if HAS_DW:
             dw_acc += dy * nh
     if HAS_DW:
@@ -186,10 +193,11 @@ def rmsnorm_fwd(y, rstd, x, w, eps, *, residual=None, h=None):
     )
 
 
-def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None):
+def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None, y=None):
     """dx (N, C) = gradient through the norm [+ dresidual] (dx may be dresidual itself);
     dw (C,) fp32 = sum_rows dy * fp32(x) * rstd, or None to skip. x is the normalised tensor
-    (h in the fused case). Returns nothing."""
+    (h in the fused case). y (N, C), optional: the forward's output rebuilt, bit for bit (y may
+    be dy itself: its rows are read first). Returns nothing."""
     check(x, "x", shape=(None, None), dtype=_DTYPES, last_contiguous=True)
     N, C = x.shape
     dev, dt = x.device, x.dtype
@@ -201,6 +209,8 @@ def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None):
     check(rstd, "rstd", shape=(N,), dtype=torch.float32, device=dev, contiguous=True)
     if dresidual is not None:
         check(dresidual, "dresidual", shape=(N, C), dtype=dt, device=dev, last_contiguous=True)
+    if y is not None:
+        check(y, "y", shape=(N, C), dtype=dt, device=dev, last_contiguous=True)
     _check_c(C)
     if N == 0:
         if dw is not None:
@@ -218,12 +228,14 @@ def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None):
         part = torch.empty((P, C), dtype=torch.float32, device=dev)          # (P, C)
     has_dres = dresidual is not None
     _rmsnorm_bwd_kernel[(P,)](
-        dx, part,
+        dx, part, y if y is not None else dx,
         dy,
         x, w, rstd, dresidual if has_dres else dx,
         dx.stride(0), dy.stride(0), x.stride(0), dresidual.stride(0) if has_dres else 0,
+        y.stride(0) if y is not None else 0,
         N, C,
-        HAS_DRES=has_dres, HAS_DW=dw is not None, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, num_warps=num_warps,
+        HAS_DRES=has_dres, HAS_DW=dw is not None, WRITE_Y=y is not None,
+        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, num_warps=num_warps,
     )
     if dw is not None:
         BLOCK_CR = min(BLOCK_C, 64)               # C / 64 programs, each summing P rows: untuned

@@ -9,7 +9,9 @@ Shape legend: N tokens in the packed batch, F MLP hidden size.
 Forward:   s = sigmoid(g),  h = round(g * s * u)          all in fp32, rounded once
 Backward:  dg = round(dh * u * s * (1 + g * (1 - s)))      silu'(g) = s * (1 + g * (1 - s))
            du = round(dh * g * s)
-Saved for backward: nothing beyond g and u (the caller keeps the gate-up buffer).
+Saved for backward: nothing beyond g and u (the caller keeps the gate-up buffer). The backward
+can write h again (h=, over dh if wanted): the down projection's input, the same bits, for a
+layer that dropped it after its forward.
 
 Supported: any N, F >= 1; fp32 / fp16 / bf16.
 Tested: tests/test_swiglu.py: fp32 and fp16 through the interpreter (F 37, 131, 1000; N 1, 7,
@@ -52,12 +54,12 @@ def _swiglu_fwd_kernel(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    dg_ptr, du_ptr,                               # gradients out: (N, F), (N, F)
+    dg_ptr, du_ptr, h_ptr,                        # gradients out: (N, F), (N, F); h (N, F) if WRITE_H
     dh_ptr,                                       # incoming gradient: (N, F)
     g_ptr, u_ptr,                                 # inputs: (N, F), (N, F)
-    stride_dg, stride_du, stride_dh, stride_g, stride_u,
+    stride_dg, stride_du, stride_h, stride_dh, stride_g, stride_u,
     N, F,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+    WRITE_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -72,6 +74,8 @@ def _swiglu_bwd_kernel(
     du = dh * g * s
     tl.store(dg_ptr + r64 * stride_dg + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + r64 * stride_du + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
+    if WRITE_H:  # the forward's h: the same product on the same bits
+        tl.store(h_ptr + r64 * stride_h + cols[None, :], (g * s * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(N, F):
@@ -109,9 +113,9 @@ def swiglu_fwd(h, g, u):
     )
 
 
-def swiglu_bwd(dg, du, dh, g, u):
+def swiglu_bwd(dg, du, dh, g, u, *, h=None):
     """dg = dh * u * silu'(g), du = dh * silu(g), each (N, F); dg may be g and du may be u
-    (in place). Returns nothing."""
+    (in place). h (N, F), optional: the forward's silu(g) * u rebuilt (h may be dh). Returns nothing."""
     check(g, "g", shape=(None, None), dtype=_DTYPES, last_contiguous=True)
     N, F = g.shape
     dev, dt = g.device, g.dtype
@@ -119,12 +123,14 @@ def swiglu_bwd(dg, du, dh, g, u):
     check(du, "du", shape=(N, F), dtype=dt, device=dev, last_contiguous=True)
     check(dh, "dh", shape=(N, F), dtype=dt, device=dev, last_contiguous=True)
     check(u, "u", shape=(N, F), dtype=dt, device=dev, last_contiguous=True)
+    if h is not None:
+        check(h, "h", shape=(N, F), dtype=dt, device=dev, last_contiguous=True)
     if N == 0 or F == 0:
         return
     grid, BLOCK_N, BLOCK_F, num_warps = _config(N, F)
     _swiglu_bwd_kernel[grid](
-        dg, du, dh, g, u,
-        dg.stride(0), du.stride(0), dh.stride(0), g.stride(0), u.stride(0),
+        dg, du, h if h is not None else dg, dh, g, u,
+        dg.stride(0), du.stride(0), h.stride(0) if h is not None else 0, dh.stride(0), g.stride(0), u.stride(0),
         N, F,
-        BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F, num_warps=num_warps,
+        WRITE_H=h is not None, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F, num_warps=num_warps,
     )

@@ -21,13 +21,19 @@ One layer, with s the residual stream entering it and d the previous layer's MLP
 The backward reads the forward bottom-up. Accumulation rule: LoRA gradients and the residual
 stream gradient accumulate (+=); everything else is written (=). `g` enters as dL/d(mid + m) and
 leaves as dL/d(s + d) = dL/ds = dL/dd.
+
+n1, n2 and act are not saved (a third of a layer's activations): their only use in backward is the
+LoRA dA of the projections they feed (dA += s (dy B)^T x). Those wait: the projection's dx runs
+first and leaves dy B in a small (N, R) buffer; then the backward kernel that reads the tensor's
+inputs anyway (swiglu_bwd for act, rmsnorm_bwd for n2 and n1) writes it again, the same bits, into
+the gradient buffer it has just consumed, and dA follows.
 """
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..kernels.attention import attention_bwd, attention_fwd
-from ..kernels.lora_linear import linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_fwd
+from ..kernels.lora_linear import dyb_width, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da, lora_linear_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
 from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
@@ -50,7 +56,6 @@ class Saved(NamedTuple):
     """What one layer's forward keeps for its backward (see lean/runtime/plan.py for the table)."""
     x: torch.Tensor  # (N, C) layer input stream
     rstd1: torch.Tensor  # (N,) fp32
-    n1: torch.Tensor  # (N, C)
     xa: dict  # target -> (N, R) LoRA down-projection of that projection's input
     q_pre: Optional[torch.Tensor]  # (N, Oq) before QK-norm (Qwen3), else None
     k_pre: Optional[torch.Tensor]  # (N, Okv)
@@ -63,10 +68,8 @@ class Saved(NamedTuple):
     lse: torch.Tensor  # (H, N) fp32
     mid: torch.Tensor  # (N, C)
     rstd2: torch.Tensor  # (N,) fp32
-    n2: torch.Tensor  # (N, C)
     gate: torch.Tensor  # (N, F)
     up: torch.Tensor  # (N, F)
-    act: torch.Tensor  # (N, F)
 
 
 _TARGET_ID = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
@@ -88,13 +91,25 @@ def proj_fwd(y, xa_out, x, w, bias, ad, t, ctx, li):
     xa_out[t] = xa
 
 
-def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate):
-    """dx (=, or += when accumulate) dy W (+ LoRA term); LoRA grads += into the flat buffer."""
+def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None):
+    """dx (=, or += when accumulate) dy W (+ LoRA term); LoRA grads += into the flat buffer.
+    x None: the input was not kept; dA waits in `waiting` (t -> dy B) for proj_bwd_da."""
     if ad is None:
         linear_bwd(dx, dy, w, accumulate=accumulate)
         return
+    dyb = None
+    if x is None:
+        dyb = torch.empty(dy.shape[0], dyb_width(ad.a_lowp.shape[0]), dtype=dy.dtype, device=dy.device)  # (N, RP)
+        waiting[t] = dyb
     lora_linear_bwd(dx, ad.da, ad.db, dy, x, xa, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale,
-                    dropout=ctx.dropout, seed=_seed(ctx, li, t), accumulate_dx=accumulate)
+                    dropout=ctx.dropout, seed=_seed(ctx, li, t), accumulate_dx=accumulate, dyb=dyb)
+
+
+def proj_bwd_da(waiting, x, ads, ctx, li):
+    """The waiting dA of each projection in `waiting` now that their input x is back; empties it."""
+    for t, dyb in waiting.items():
+        lora_linear_bwd_da(ads[t].da, dyb, x, ctx.lora_scale, dropout=ctx.dropout, seed=_seed(ctx, li, t))
+    waiting.clear()
 
 
 def layer_forward(s, d, w, ads, ctx, li, cfg):
@@ -114,6 +129,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg):
     proj_fwd(q, xa, n1, w.q, w.q_bias, ads.get("q"), "q", ctx, li)
     proj_fwd(k, xa, n1, w.k, w.k_bias, ads.get("k"), "k", ctx, li)
     proj_fwd(v, xa, n1, w.v, w.v_bias, ads.get("v"), "v", ctx, li)
+    del n1  # not saved: rmsnorm_bwd writes it again for the q/k/v dA
     q_pre = k_pre = rstd_q = rstd_k = None
     if cfg.qk_norm:
         q_pre, k_pre = q, k
@@ -132,31 +148,37 @@ def layer_forward(s, d, w, ads, ctx, li, cfg):
     rmsnorm_fwd(n2, rstd2, x, w.post_norm, ctx.eps, residual=a, h=mid)
     del a  # dead: its memory serves the MLP (the activation plan counts on it)
     F = cfg.intermediate
-    gate, up, act = new(N, F), new(N, F), new(N, F)
+    gate, up = new(N, F), new(N, F)
     proj_fwd(gate, xa, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
     proj_fwd(up, xa, n2, w.up, None, ads.get("up"), "up", ctx, li)
+    del n2  # not saved, like n1
+    act = new(N, F)
     swiglu_fwd(act, gate, up)
     m = new(N, C)
     proj_fwd(m, xa, act, w.down, None, ads.get("down"), "down", ctx, li)
-    saved = Saved(x, rstd1, n1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, n2, gate, up, act)
-    return (mid, m), saved
+    saved = Saved(x, rstd1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, gate, up)
+    return (mid, m), saved  # act dies here: swiglu_bwd writes it again for the down dA
 
 
 def layer_backward(g, sv, w, ads, ctx, li, cfg):
     """g = dL/d(mid + m) in; returns dL/ds (the same buffer, updated in place)."""
     N, C, H, KVH, D, F = g.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate
     new = lambda *shape, dt=g.dtype: torch.empty(*shape, dtype=dt, device=g.device)  # noqa: E731
+    waiting = {}  # projection -> dy B, its dA waiting for an input the forward did not keep
     # MLP block, bottom-up
     dact = new(N, F)
-    proj_bwd(dact, g, sv.act, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False)
-    dgate, dup = sv.gate, sv.up  # in place: gate/up are dead after this
-    swiglu_bwd(dgate, dup, dact, sv.gate, sv.up)
-    del dact  # each gradient buffer is freed once dead: plan.py's BACKWARD moments count on it
+    proj_bwd(dact, g, None, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False, waiting)
+    dgate, dup, act = sv.gate, sv.up, dact  # in place: gate/up are dead after this, act replaces dact
+    swiglu_bwd(dgate, dup, dact, sv.gate, sv.up, h=act if waiting else None)
+    proj_bwd_da(waiting, act, ads, ctx, li)
+    del dact, act  # each gradient buffer is freed once dead: plan.py's BACKWARD moments count on it
     dn2 = new(N, C)
-    proj_bwd(dn2, dgate, sv.n2, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False)
-    proj_bwd(dn2, dup, sv.n2, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True)
-    rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g)  # g = dL/dmid
-    del dn2
+    proj_bwd(dn2, dgate, None, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False, waiting)
+    proj_bwd(dn2, dup, None, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True, waiting)
+    n2 = dn2  # rmsnorm_bwd writes n2 over dn2 once read: the gate/up dA input
+    rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g, y=n2 if waiting else None)  # g = dL/dmid
+    proj_bwd_da(waiting, n2, ads, ctx, li)
+    del dn2, n2
     # attention block, bottom-up
     do = new(N, H * D)
     proj_bwd(do, g, sv.o, w.o, ads.get("o"), sv.xa.get("o"), "o", ctx, li, False)
@@ -173,9 +195,13 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
         rmsnorm_bwd(dk_pre.view(N * KVH, D), None, dk.view(N * KVH, D), sv.k_pre.view(N * KVH, D), w.k_norm,
                     sv.rstd_k)
         dq, dk = dq_pre, dk_pre
+        del dq_pre, dk_pre
     dn1 = new(N, C)
-    proj_bwd(dn1, dq, sv.n1, w.q, ads.get("q"), sv.xa.get("q"), "q", ctx, li, False)
-    proj_bwd(dn1, dk, sv.n1, w.k, ads.get("k"), sv.xa.get("k"), "k", ctx, li, True)
-    proj_bwd(dn1, dv, sv.n1, w.v, ads.get("v"), sv.xa.get("v"), "v", ctx, li, True)
-    rmsnorm_bwd(g, None, dn1, sv.x, w.in_norm, sv.rstd1, dresidual=g)  # g = dL/dx = dL/ds
+    proj_bwd(dn1, dq, None, w.q, ads.get("q"), sv.xa.get("q"), "q", ctx, li, False, waiting)
+    proj_bwd(dn1, dk, None, w.k, ads.get("k"), sv.xa.get("k"), "k", ctx, li, True, waiting)
+    proj_bwd(dn1, dv, None, w.v, ads.get("v"), sv.xa.get("v"), "v", ctx, li, True, waiting)
+    del dq, dk, dv
+    n1 = dn1  # as n2 above
+    rmsnorm_bwd(g, None, dn1, sv.x, w.in_norm, sv.rstd1, dresidual=g, y=n1 if waiting else None)  # g = dL/dx = dL/ds
+    proj_bwd_da(waiting, n1, ads, ctx, li)
     return g

@@ -31,10 +31,15 @@ Cautions:
   - Padding costs compute: the padding document is attended causally like a real one, and the
     attention grids span D documents x T / BLOCK_M query blocks (empty ones exit at once).
   - Gradient accumulation is not captured (zero_grad is inside): one batch per optimizer step.
+  - On Hopper the captured step runs the TMA GEMM kernels at every projection size (eager steps
+    keep them for large GEMMs only: their launch costs ~45 us of host time), so its bits may
+    differ from an eager step's in the last place; tests/test_graph.py compares the two inside
+    the same tma_at_every_size() setting.
   - The host waits on an event only if it runs two steps ahead of the GPU (PinnedUpload).
 """
 import torch
 
+from ..kernels.gemm import tma_at_every_size
 from .batch import Batch, PinnedUpload, pack
 from .step import forward_backward
 
@@ -80,8 +85,9 @@ class StepGraph:
         # Warm-up and capture content: one document with no target (valid descriptor, zero loss).
         self._ints.write(self.pack([([0] * budget, [False] * budget)]).host)
         self._scale.write(1.0)
-        self._warm_up()
-        self._graph, self._loss = self._capture()
+        with tma_at_every_size():  # Hopper: TMA GEMMs for every projection (host cost paid once)
+            self._warm_up()
+            self._graph, self._loss = self._capture()
 
     def pack(self, docs, vocab=None):
         """lean.pack with this graph's fixed shapes, on the host (step() does the one copy)."""

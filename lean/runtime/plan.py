@@ -9,7 +9,6 @@ What one layer's forward saves for its backward (dense.Saved, field for field):
 |--------|--------------|-------|------------------------------------------------|
 | x      | (N, C)       | act   | layer input (residual stream)                  |
 | rstd1  | (N,)         | fp32  | 1/rms of x                                     |
-| n1     | (N, C)       | act   | rmsnorm(x) * w_in: input of q, k, v            |
 | xa     | (N, R) each  | act   | drop(input) A^T of every LoRA projection       |
 | q_pre  | (N, H*D)     | act   | q before QK-norm (Qwen3 only)                  |
 | k_pre  | (N, KVH*D)   | act   | k before QK-norm (Qwen3 only)                  |
@@ -22,10 +21,13 @@ What one layer's forward saves for its backward (dense.Saved, field for field):
 | lse    | (H, N)       | fp32  | attention log-sum-exp                          |
 | mid    | (N, C)       | act   | x + attention block output                     |
 | rstd2  | (N,)         | fp32  | 1/rms of mid                                   |
-| n2     | (N, C)       | act   | rmsnorm(mid) * w_post: input of gate, up       |
 | gate   | (N, F)       | act   | gate projection (overwritten by its gradient)  |
 | up     | (N, F)       | act   | up projection (overwritten by its gradient)    |
-| act    | (N, F)       | act   | silu(gate) * up: input of down                 |
+
+Not in the table, never saved: n1 = rmsnorm(x) w_in (q/k/v's input), n2 = rmsnorm(mid) w_post
+(gate/up's) and act = silu(gate) up (down's). Their one use in backward is the LoRA dA; the
+backward kernels that read their inputs anyway write them again (dense.py), so no mode pays for
+them: they were a third of a kept layer.
 
 Policies, chosen per layer by its mode (MODES): a row is `keep` (stays on the GPU until its
 layer's backward), `offload` (copied to pinned host memory in forward, reloaded in backward) or
@@ -64,7 +66,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from ..kernels.gemm import NUM_SMS, interpreting
-from ..kernels.linear_ce import _default_chunk_rows
+from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.lora_linear import _GRAD, _block_r
 from .lora import TARGETS
 
@@ -91,7 +93,6 @@ class Row(NamedTuple):
 PLAN = (  # what a layer saves: dense.Saved, in its field order
     Row("x", "N,C", "act"),
     Row("rstd1", "N", "fp32"),
-    Row("n1", "N,C", "act"),
     Row("xa", "N,R*", "act", "lora"),
     Row("q_pre", "N,H*D", "act", "qk_norm"),
     Row("k_pre", "N,KVH*D", "act", "qk_norm"),
@@ -104,14 +105,13 @@ PLAN = (  # what a layer saves: dense.Saved, in its field order
     Row("lse", "H,N", "fp32"),
     Row("mid", "N,C", "act"),
     Row("rstd2", "N", "fp32"),
-    Row("n2", "N,C", "act"),
     Row("gate", "N,F", "act"),
     Row("up", "N,F", "act"),
-    Row("act", "N,F", "act"),
 )
 
-# What layer_forward holds at its return besides Saved: m, the down projection's output.
-FORWARD_EXTRA = (Row("m", "N,C", "act"),)
+# What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
+# at return) and its output m.
+FORWARD_EXTRA = (Row("act", "N,F", "act"), Row("m", "N,C", "act"))
 
 # layer_backward's gradient buffers (dense.py) ...
 GRADS = (
@@ -120,15 +120,23 @@ GRADS = (
     Row("delta", "H,N", "fp32"), Row("dq_pre", "N,H*D", "act", "qk_norm"),
     Row("dk_pre", "N,KVH*D", "act", "qk_norm"), Row("dn1", "N,C", "act"),
 )
-# ... and the moments when the most of them are alive, with the LoRA projections whose backward
-# scratch is alive then: (moment, live GRADS rows, projections).
+# ... and the moments of layer_backward, in order: (moment, live GRADS rows, projections whose
+# dy B waits for its dA, what runs and on which projections). What runs: "dx" = lora_linear_bwd
+# with its dA deferred (input not kept), "dA" = the deferred lora_linear_bwd_da, "all" = the whole
+# lora_linear_bwd (o: its input is saved anyway), "" = no LoRA scratch.
 BACKWARD_MOMENTS = (
-    ("down", ("dact",), ("down",)),
-    ("gate/up", ("dn2",), ("gate", "up")),
-    ("o", ("do",), ("o",)),
-    ("attention", ("do", "dq", "dk", "dv", "delta"), ()),
-    ("qk-norm", ("dq", "dk", "dv", "dq_pre", "dk_pre"), ()),
-    ("q/k/v", ("dq", "dk", "dv", "dn1"), ("q", "k", "v")),  # dq, dk: dq_pre, dk_pre with QK-norm
+    ("down", ("dact",), (), "dx", ("down",)),
+    ("down dA", ("dact",), ("down",), "dA", ("down",)),
+    ("gate", ("dn2",), (), "dx", ("gate",)),
+    ("up", ("dn2",), ("gate",), "dx", ("up",)),
+    ("gate/up dA", ("dn2",), ("gate", "up"), "dA", ("gate", "up")),
+    ("o", ("do",), (), "all", ("o",)),
+    ("attention", ("do", "dq", "dk", "dv", "delta"), (), "", ()),
+    ("qk-norm", ("dq", "dk", "dv", "dq_pre", "dk_pre"), (), "", ()),
+    ("q", ("dq", "dk", "dv", "dn1"), (), "dx", ("q",)),  # dq, dk: dq_pre, dk_pre with QK-norm
+    ("k", ("dq", "dk", "dv", "dn1"), ("q",), "dx", ("k",)),
+    ("v", ("dq", "dk", "dv", "dn1"), ("q", "k"), "dx", ("v",)),
+    ("q/k/v dA", ("dn1",), ("q", "k", "v"), "dA", ("q", "k", "v")),
 )
 
 
@@ -184,20 +192,25 @@ def _lora_partials(N, P, R):
     return _cdiv(N, chunk) * P * R * 4
 
 
-def lora_bwd_scratch(N, K, O, R, act_bytes):
-    """What lora_linear_bwd allocates and frees inside: zero-padded A, B copies when R is not its
-    padded rank RP, dy B (N, RP), then the da partials and the db partials one after the other."""
+def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
+    """What the LoRA backward of one (K -> O) projection allocates: part "all", lora_linear_bwd
+    whole (zero-padded A, B copies when R is not its padded rank RP, dy B (N, RP), then the da
+    and db partials one after the other); "dx", with da deferred (the caller's dy B, the padded
+    copies, the db partials); "dA", lora_linear_bwd_da's da partials; "dyb", the dy B alone."""
     if N == 0:
         return 0
     RP = _block_r(R)
     pad = (RP * K + O * RP) * act_bytes if RP != R else 0
-    return pad + N * RP * act_bytes + max(_lora_partials(N, K, RP), _lora_partials(N, O, R))
+    dyb = N * RP * act_bytes
+    return {"all": pad + dyb + max(_lora_partials(N, K, RP), _lora_partials(N, O, R)),
+            "dx": dyb + pad + _lora_partials(N, O, R), "dA": _lora_partials(N, K, RP), "dyb": dyb}[part]
 
 
 def linear_ce_scratch(N, V, C, act_bytes):
-    """linear_ce_fwd_bwd's logits chunk (rows, V) and per-row losses (N,) fp32."""
+    """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32 and the largest split-K
+    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter)."""
     rows = max(1, min(_default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
-    return rows * V * act_bytes + N * 4
+    return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
 def constant_bytes(cfg, n_tokens):
@@ -231,7 +244,8 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
     full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
     m = sum(rb(r) for r in FORWARD_EXTRA)
     holds = {KEEP: full, RECOMPUTE: xb, OFFLOAD: 0}  # what a finished layer keeps on the GPU
-    scratch = {t: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes) for t in lora_targets}
+    scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
+                   for part in ("all", "dx", "dA", "dyb")} for t in lora_targets}
     best = [0, "nothing allocated"]
 
     def at(moment, live):
@@ -260,8 +274,9 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
         cur = full - (xb if mode == OFFLOAD else 0)  # an offloaded x lives in a reload buffer
         if mode != KEEP:
             at(f"recompute of layer {li}", held + base + cur + m)
-        for name, live, projs in BACKWARD_MOMENTS:
-            extra = max([scratch[t] for t in projs if t in scratch], default=0)
+        for name, live, waiting, runs, projs in BACKWARD_MOMENTS:
+            extra = sum(scratch[t]["dyb"] for t in waiting if t in scratch)
+            extra += max([scratch[t][runs] for t in projs if t in scratch], default=0)
             at(f"backward of layer {li} ({name})", held + base + cur + sum(grads[g] for g in live) + extra)
     return best[0], best[1]
 

@@ -166,11 +166,11 @@ def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
 
     model = empty_model(config_from_hf(model_config(name, smoke)), dtype, device)
     g = torch.Generator(device=device).manual_seed(0)
-    for _, t in model.hf_tensors():
+    for _, t in model.hf_tensors():  # in place: no fp32 temporary in the row's peak (2.4 GiB at 8B)
         if t.dim() == 1:
-            t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g, device=device))
+            t.normal_(1.0, 0.1, generator=g)
         else:
-            t.copy_(0.02 * torch.randn(t.shape, generator=g, device=device))
+            t.normal_(0.0, 0.02, generator=g)
     return lean, model
 
 

@@ -1,8 +1,10 @@
-"""lean/kernels/gemm.py: matmul against torch on odd sizes and strided (transposed) views."""
+"""lean/kernels/gemm.py: matmul against torch on odd sizes and strided (transposed) views; its split-K
+path (lean/kernels/gemm_splitk.py) called directly and as matmul chooses it."""
 import pytest
 import torch
 
 import lean.kernels.gemm as G
+import lean.kernels.gemm_splitk as S
 from lean.kernels.gemm import matmul
 from tests.reference.lora_linear import matmul_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -100,8 +102,7 @@ def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
     """The Hopper TMA kernel (chosen on an sm_90 GPU for 16-bit row-major a, aligned rows, at least
     a wave of tiles and TMA_MIN_MACS) for x W^T (tb) and dy W: on the CPU through the interpreter with the
     choice forced, on the GPU as chosen. Fails if the TMA kernel did not run."""
-    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are below the size that picks TMA
-    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # these shapes are below the size that picks TMA (tma_ok reads this)
     if DEVICE == "cpu":
         monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
         monkeypatch.setattr(G, "NUM_SMS", 1)
@@ -114,9 +115,9 @@ def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
     assert calls, "the TMA kernel did not run"
 
 
-# ---- split-K (_matmul_splitk_kernel + _matmul_splitk_reduce_kernel) --------------------------------
+# ---- split-K (gemm_splitk.py: _matmul_splitk_kernel + _matmul_splitk_reduce_kernel) ----------------
 # Under the interpreter the split-K path is never chosen (it needs a Hopper GPU), so these tests call
-# G._matmul_splitk directly with small tiles, or force the choice through matmul.
+# S._matmul_splitk directly with small tiles, or force the choice through matmul.
 _SPLITK_TEST_TILES = (32, 32, 32, 4, 1)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 # fp32 checks the kernels' arithmetic tightly on the CPU; on the GPU the path serves 16-bit only.
 SPLITK_DTYPES = DTYPES if DEVICE == "cpu" else [LOWP]
@@ -134,7 +135,7 @@ def test_matmul_splitk_kernel(dtype, tb, split, with_bias, accumulate, alpha):
     """The split-K kernels against the reference: M, N, K not block multiples (K = 301: 10 blocks
     of 32, the last partial), b row-major (dlogits @ w) or K-major (x W^T), bias, accumulate, alpha."""
     def launch(c, a, b, bias, acc, al):
-        G._matmul_splitk(c, a, b, bias, acc, al, split, config=_SPLITK_TEST_TILES)
+        S._matmul_splitk(c, a, b, bias, acc, al, split, config=_SPLITK_TEST_TILES)
     _run_and_compare(37, 45, 301, dtype, False, tb, with_bias=with_bias, accumulate=accumulate, alpha=alpha,
                      g=fresh_generator(), launch=launch, align=8)
 
@@ -148,19 +149,20 @@ def test_matmul_splitk_is_deterministic():
     for _ in range(2):
         c = torch.empty(67, 45, device=DEVICE, dtype=LOWP)
         poison(c)
-        G._matmul_splitk(c, a, b, None, False, 1.0, 5, config=_SPLITK_TEST_TILES)
+        S._matmul_splitk(c, a, b, None, False, 1.0, 5, config=_SPLITK_TEST_TILES)
         outs.append(c)
     assert torch.equal(outs[0], outs[1])
 
 
 def _spy(monkeypatch, calls):
-    """Record the slice count of every G._matmul_splitk call (still running it)."""
-    run = G._matmul_splitk
+    """Record the slice count of every S._matmul_splitk call (still running it; matmul calls it
+    through the module, so the patch takes effect)."""
+    run = S._matmul_splitk
 
     def counted(c, a, b, bias, accumulate, alpha, split, config=None):
         calls.append(split)
         return run(c, a, b, bias, accumulate, alpha, split, config)
-    monkeypatch.setattr(G, "_matmul_splitk", counted)
+    monkeypatch.setattr(S, "_matmul_splitk", counted)
 
 
 @pytest.mark.parametrize("tb", [False, True])
@@ -168,10 +170,11 @@ def test_matmul_takes_splitk(tb, monkeypatch):
     """matmul picks split-K for an under-filled output over a long K: on the CPU with the Hopper /
     size conditions forced (interpreter tiles 32 x 32 x 32: 6 tiles, 47 K steps, 2-step slices
     allowed), through the public launcher with bias, accumulate and alpha. Fails if it did not run."""
-    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)
+    # Patched where _use_splitk / splitk_count look them up at call time: gemm_splitk's own names.
+    monkeypatch.setattr(S, "TMA_MIN_MACS", 0)
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
-    monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
-    monkeypatch.setattr(G, "_SPLITK_MIN_STEPS", 2)
+    monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    monkeypatch.setattr(S, "_SPLITK_MIN_STEPS", 2)
     calls = []
     _spy(monkeypatch, calls)
     _run_and_compare(67, 45, 1501, LOWP, False, tb, with_bias=True, accumulate=True, alpha=0.75,
@@ -183,20 +186,20 @@ def test_splitk_count(monkeypatch):
     """The slice count on the H100 (model-free checks of splitk_count's choices): the lm_head
     gradient chunks split and fill at least 85% of the waves they occupy; full-wave outputs, short
     K and small problems do not split; every slice keeps _SPLITK_MIN_STEPS K steps."""
-    monkeypatch.setattr(G, "interpreting", lambda: False)
-    BM, BN, BK = G._SPLITK[:3]
+    monkeypatch.setattr(S, "interpreting", lambda: False)
+    BM, BN, BK = S._SPLITK[:3]
     for M, N, K in [(768, 1024, 151936), (640, 2048, 128256), (512, 4096, 151936), (512, 2048, 128256),
                     (256, 1024, 151936), (1792, 576, 49152)]:
-        s = G.splitk_count(M, N, K)
+        s = S.splitk_count(M, N, K)
         programs = -(-M // BM) * -(-N // BN) * s
-        waves = -(-programs // G.NUM_SMS)
-        assert s > 1 and programs >= 0.85 * waves * G.NUM_SMS, (M, N, K, s)
-        assert -(-K // BK) // s >= G._SPLITK_MIN_STEPS, (M, N, K, s)
-        assert G.splitk_workspace_bytes(M, N, K, 2) == s * M * N * 4
-        assert G.splitk_workspace_bytes(M, N, K, 4) == 0  # fp32 inputs never split
+        waves = -(-programs // S.NUM_SMS)
+        assert s > 1 and programs >= 0.85 * waves * S.NUM_SMS, (M, N, K, s)
+        assert -(-K // BK) // s >= S._SPLITK_MIN_STEPS, (M, N, K, s)
+        assert S.splitk_workspace_bytes(M, N, K, 2) == s * M * N * 4
+        assert S.splitk_workspace_bytes(M, N, K, 4) == 0  # fp32 inputs never split
     for M, N, K in [(8192, 1024, 151936), (768, 1024, 1024), (64, 64, 151936)]:
-        assert G.splitk_count(M, N, K) == 1, (M, N, K)
-        assert G.splitk_workspace_bytes(M, N, K, 2) == 0
+        assert S.splitk_count(M, N, K) == 1, (M, N, K)
+        assert S.splitk_workspace_bytes(M, N, K, 2) == 0
 
 
 @pytest.mark.gpu

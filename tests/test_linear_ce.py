@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import lean.kernels.gemm as G
+import lean.kernels.gemm_splitk as S
 import lean.kernels.linear_ce as CE
 from lean.kernels.linear_ce import linear_ce_fwd_bwd
 from tests.reference.linear_ce import linear_ce_chunked_ref, linear_ce_ref
@@ -133,26 +134,27 @@ def test_linear_ce_all_ignored(N):
 
 
 def _spy_splitk(monkeypatch):
-    """A list that records the slice count of every split-K GEMM (gemm.py) from now on."""
-    calls, run = [], G._matmul_splitk
+    """A list that records the slice count of every split-K GEMM (gemm_splitk.py) from now on."""
+    calls, run = [], S._matmul_splitk
 
     def counted(c, a, b, bias, accumulate, alpha, split, config=None):
         calls.append(split)
         return run(c, a, b, bias, accumulate, alpha, split, config)
-    monkeypatch.setattr(G, "_matmul_splitk", counted)
+    monkeypatch.setattr(S, "_matmul_splitk", counted)
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOWP] if DEVICE == "cpu" else [LOWP], ids=str)
 def test_linear_ce_splitk_dh(dtype, monkeypatch):
-    """The dh GEMM through gemm.py's split-K path (its size conditions forced; on the CPU its Hopper
+    """The dh GEMM through gemm_splitk.py's split-K path (its size conditions forced; on the CPU its Hopper
     conditions too, fp32 included: chunks (16, 64) over V = 1000 are 2 interpreter tiles and 32 K
     steps), against the reference."""
-    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)
+    # Patched where _use_splitk / splitk_count look them up at call time: gemm_splitk's own names.
+    monkeypatch.setattr(S, "TMA_MIN_MACS", 0)
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
     if DEVICE == "cpu":
-        monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: True)
-    monkeypatch.setattr(G, "_SPLITK_MIN_STEPS", 4)
+        monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: True)
+    monkeypatch.setattr(S, "_SPLITK_MIN_STEPS", 4)
     calls = _spy_splitk(monkeypatch)
     g = fresh_generator()
     h, w, targets = make_inputs(37, 1000, 64, dtype, g)

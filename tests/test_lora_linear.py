@@ -211,7 +211,6 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     """The Hopper TMA kernels (chosen on an sm_90 GPU for 16-bit, p = 0, 16-byte aligned rows, big
     enough problems) against torch, dx accumulation included: on the CPU through the interpreter with the choice
     forced, on the GPU as chosen. Fails if either TMA kernel did not run."""
-    monkeypatch.setattr(G, "TMA_MIN_MACS", 0)  # these shapes are far below the size that picks TMA
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
     if DEVICE == "cpu":
         monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))

@@ -1,4 +1,4 @@
-"""Split-K for under-filled GEMMs (lean/kernels/gemm.py) on the H100, bf16: is it faster, and which
+"""Split-K for under-filled GEMMs (lean/kernels/gemm_splitk.py) on the H100, bf16: is it faster, and which
 slice count and tiles win?
 
     python tools/splitk_bench.py              # on the GPU, < 2 minutes
@@ -8,7 +8,7 @@ slice count and tiles win?
    (dlogits (rows, V) @ w (V, C)) at the lm_head shapes, per variant:
      old        matmul with the split-K path switched off (gemm.py's pointer kernel, small tiles)
      lean       matmul as it stands (split-K with splitk_count's slices, marked *)
-     S=s cfg    G._matmul_splitk with s slices and tiles cfg = BMxBNxBK wWARPS sSTAGES
+     S=s cfg    SK._matmul_splitk with s slices and tiles cfg = BMxBNxBK wWARPS sSTAGES
      cuBLAS     torch.matmul(a, b, out=c)
    time = median of triton.testing.do_bench (L2 flushed between calls; the split-K workspace is
    allocated inside every call, as in lean); TF/s = 2 M N K / time; err = max|c - cuBLAS| /
@@ -30,6 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lean.kernels.gemm as G  # noqa: E402
+import lean.kernels.gemm_splitk as SK  # noqa: E402
 import lean.kernels.linear_ce as CE  # noqa: E402
 
 # (M, N, K) = (chunk rows, C, V): Qwen3-0.6B, Llama-3.2-1B, Qwen3-8B at their default chunks, then
@@ -37,7 +38,7 @@ import lean.kernels.linear_ce as CE  # noqa: E402
 SHAPES = [(768, 1024, 151936), (640, 2048, 128256), (512, 4096, 151936),
           (512, 1024, 151936), (1024, 2048, 128256), (384, 4096, 151936), (512, 3072, 128256)]
 SPLITS = (2, 3, 4, 6, 8)
-# Tiles swept on the first three shapes; the others time lean's tiles (G._SPLITK) only.
+# Tiles swept on the first three shapes; the others time lean's tiles (SK._SPLITK) only.
 CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 SWEPT_SHAPES = 3
 CE_MODELS = [("qwen3-0.6b", 1024, 151936), ("llama3.2-1b", 2048, 128256), ("qwen3-8b", 4096, 151936)]
@@ -50,14 +51,15 @@ GEMM_BUDGET_S, BUDGET_S = 65, 95
 
 
 class SplitOff:
-    """Context: matmul never takes the split-K path (the old pointer kernel serves these shapes)."""
+    """Context: matmul never takes the split-K path (the old pointer kernel serves these shapes).
+    matmul calls gemm_splitk._use_splitk through the module, so patching it there takes effect."""
 
     def __enter__(self):
-        self.saved = G._use_splitk
-        G._use_splitk = lambda *args: 1
+        self.saved = SK._use_splitk
+        SK._use_splitk = lambda *args: 1
 
     def __exit__(self, *exc):
-        G._use_splitk = self.saved
+        SK._use_splitk = self.saved
 
 
 def bench(fn):
@@ -111,19 +113,19 @@ def gemm_section(T, dev):
         c = torch.empty(M, N, device=dev, dtype=bf)
         ref = torch.matmul(a, b)
         flop = 2 * M * N * K
-        chosen = G.splitk_count(M, N, K)
-        tiles = triton.cdiv(M, G._SPLITK[0]) * triton.cdiv(N, G._SPLITK[1])
-        print(f"({M}, {N}, {K}): {tiles} tiles of {G._SPLITK[0]}x{G._SPLITK[1]}, splitk_count = {chosen}")
+        chosen = SK.splitk_count(M, N, K)
+        tiles = triton.cdiv(M, SK._SPLITK[0]) * triton.cdiv(N, SK._SPLITK[1])
+        print(f"({M}, {N}, {K}): {tiles} tiles of {SK._SPLITK[0]}x{SK._SPLITK[1]}, splitk_count = {chosen}")
         t_cub = T.row("cuBLAS torch.matmul", lambda: torch.matmul(a, b, out=c), flop, ref, c)
         with SplitOff():
             T.row("old (split-K off)", lambda: G.matmul(c, a, b), flop, ref, c)
         t_lean = T.row(f"lean matmul (S={chosen}) *", lambda: G.matmul(c, a, b), flop, ref, c)
-        for cfg in CONFIGS if i < SWEPT_SHAPES else [G._SPLITK]:
+        for cfg in CONFIGS if i < SWEPT_SHAPES else [SK._SPLITK]:
             for S in sorted(set(SPLITS) | {chosen}):
                 if S < 2:
                     continue
                 T.row(f"S={S} {cfg_name(cfg)}",
-                      lambda S=S, cfg=cfg: G._matmul_splitk(c, a, b, None, False, 1.0, S, config=cfg), flop, ref, c)
+                      lambda S=S, cfg=cfg: SK._matmul_splitk(c, a, b, None, False, 1.0, S, config=cfg), flop, ref, c)
         if t_cub and t_lean:
             print(f"  lean / cuBLAS time: {t_lean / t_cub:.2f}x")
 
@@ -146,7 +148,7 @@ def ce_section(T, dev):
         gs = torch.full((1,), 1.0 / N, device=dev)
         flop = 4 * N * C * V
         rows = CE._default_chunk_rows(N, V, C, 2, False)
-        print(f"{name} C={C} V={V}: default chunk_rows {rows}, dh split {G.splitk_count(min(rows, N), C, V)}")
+        print(f"{name} C={C} V={V}: default chunk_rows {rows}, dh split {SK.splitk_count(min(rows, N), C, V)}")
 
         def run(cr=None):
             CE.linear_ce_fwd_bwd(loss, dh, h, w, t, grad_scale=gs, chunk_rows=cr)

@@ -28,7 +28,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
 import lean.kernels.gemm as G  # noqa: E402
+import lean.kernels.gemm_splitk as SK  # noqa: E402
 import lean.kernels.linear_ce as CE  # noqa: E402
+import lean.kernels.lora_grad as LG  # noqa: E402
 import lean.kernels.lora_linear as L  # noqa: E402
 import lean.kernels.lora_linear_tma as LT  # noqa: E402
 from lean.kernels.gemm import grouped_tile  # noqa: E402
@@ -303,7 +305,7 @@ def lora_section(log, dev, N=8192, R=16, shapes=SHAPES):
         xa.copy_(xa_ref)
         t_dbase = bench(lambda: torch.matmul(dy, w))
         t_bwd = bench(lambda: L.lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale))
-        saved = L._lora_grad
+        saved = L._lora_grad  # stubbed where lora_linear_bwd looks it up
         L._lora_grad = lambda *args, **kw: None
         try:
             t_k1 = bench(lambda: L.lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale))
@@ -312,21 +314,21 @@ def lora_section(log, dev, N=8192, R=16, shapes=SHAPES):
         dyb = (dy @ b).contiguous()
         grad_cells = []
         for cfg in grad_cfgs:
-            old = L._GRAD
-            L._GRAD = cfg or old
+            old = LG._GRAD
+            LG._GRAD = cfg or old
             try:
                 da_ref = torch.zeros_like(da)
                 da.zero_()
-                L._lora_grad(da, x, dyb, scale, 0, 0.0, "tf32", transposed=True)
+                LG._lora_grad(da, x, dyb, scale, 0, 0.0, "tf32", transposed=True)
                 da_ref = scale * (dyb.float().t() @ x.float())
                 err = relerr(da, da_ref)
-                t_g = bench(lambda: (L._lora_grad(da, x, dyb, scale, 0, 0.0, "tf32", transposed=True),
-                                     L._lora_grad(db, dy, xa, scale, 0, 0.0, "tf32", transposed=False)))
+                t_g = bench(lambda: (LG._lora_grad(da, x, dyb, scale, 0, 0.0, "tf32", transposed=True),
+                                     LG._lora_grad(db, dy, xa, scale, 0, 0.0, "tf32", transposed=False)))
                 grad_cells.append((t_g, cfg or old, err))
             except Exception as e:
                 log(f"    grad {cfg}: {type(e).__name__}: {str(e)[:120]}")
             finally:
-                L._GRAD = old
+                LG._GRAD = old
         log(f"lora bwd {name:14s}: cuBLAS dyW {t_dbase * 1e3:6.1f} us | lean {t_bwd * 1e3:6.1f} us ({t_dbase / t_bwd:.2f}x) "
             f"= dx kernel {t_k1 * 1e3:6.1f} + da/db passes ~{(t_bwd - t_k1) * 1e3:6.1f} | da+db passes by _GRAD: "
             + "  ".join(f"{z[1]}:{z[0] * 1e3:.1f}us{mark(z[2])}" for z in grad_cells))
@@ -443,15 +445,15 @@ def eager_section(log, dev, rounds=3, steps=8):
         opt.step()
         return loss / n
 
-    on_l, on_g = L.tma_ok, G.tma_ok
+    on_l, on_g, on_s = L.tma_ok, G.tma_ok, SK.tma_ok
     res = {"tma on": [], "tma off": []}
     for _ in range(rounds):
         for key in res:
-            L.tma_ok, G.tma_ok = (on_l, on_g) if key == "tma on" else ((lambda *t, macs: False),) * 2
+            L.tma_ok, G.tma_ok, SK.tma_ok = (on_l, on_g, on_s) if key == "tma on" else ((lambda *t, macs: False),) * 3
             try:
                 res[key].append(bench_step.time_steps(step, 2, steps, True)[0] * 1e3)
             finally:
-                L.tma_ok, G.tma_ok = on_l, on_g
+                L.tma_ok, G.tma_ok, SK.tma_ok = on_l, on_g, on_s
     log("eager qwen3-0.6b packed step ms (median of %d, per round): " % steps
         + "  ".join(f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in res.items()))
 

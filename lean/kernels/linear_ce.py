@@ -20,7 +20,7 @@ Per chunk of `chunk_rows` tokens: (1) one GEMM writes logits_chunk = h_chunk @ w
 the row once for an online max / sum-exp (fp32), reads the target logit, writes the row's loss,
 then reads the row again and overwrites it in place with grad_scale * (softmax - onehot) in h's
 dtype (zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w (an under-filled output
-over a long K: gemm.py's deterministic split-K path on Hopper). After the last chunk,
+over a long K: gemm_splitk.py's deterministic split-K path on Hopper). After the last chunk,
 `_linear_ce_sum_kernel` (one program, fixed order, no atomics) sums the per-row losses and counts
 the valid targets, so the loss is bit-for-bit deterministic.
 
@@ -32,7 +32,7 @@ the gradient is rounded once to h's dtype before the second GEMM. Keeping the sc
 dtype (not fp32) also halves its memory and the bytes the row kernel and the second GEMM move.
 
 Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses), and while the dh
-GEMM runs, its split-K workspace (split, chunk_rows, C) fp32 (gemm.py; 16-bit on Hopper: 33 MiB for
+GEMM runs, its split-K workspace (split, chunk_rows, C) fp32 (gemm_splitk.py; 16-bit on Hopper: 33 MiB for
 Qwen3-0.6B's 768-row chunks, 15-16 MiB for Llama-3.2-1B's 640 and its last chunk of 512).
 Default chunk_rows on GPU: the fewest rows (a multiple of 128) at which the chunk's two GEMMs, each
 streaming all of w, stay compute-bound (_GPU_INTENSITY), capped so the scratch stays under
@@ -59,7 +59,8 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import matmul, splitk_workspace_bytes
+from lean.kernels.gemm import matmul
+from lean.kernels.gemm_splitk import splitk_workspace_bytes
 
 # Untuned first guesses for H100 (no GPU measurement yet): the row kernel streams 2 x V elements per
 # row; 4096-wide blocks with 8 warps give 16 elements per thread per iteration.
@@ -69,7 +70,7 @@ _GPU_CHUNK_BYTES = 256 << 20
 # Chunk rows: each chunk's two GEMMs (logits = h w^T, dh = dlogits w) read all of w (V, C), so their
 # arithmetic intensity is ~rows * C / (rows + C) flop/byte (H100 ridge: ~990 TF/s / 3.35 TB/s ~ 300).
 # The default takes the fewest rows that reach _GPU_INTENSITY; more rows only cost scratch. The dh
-# GEMM's output (rows, C) fills the GPU at any row count now (gemm.py's split-K path), so rows no
+# GEMM's output (rows, C) fills the GPU at any row count now (gemm_splitk.py's split-K path), so rows no
 # longer have to fill ~132 dh tiles (the old rule). 430 reproduces the chunks the H100 step profile
 # measured (Qwen3-0.6B 768 rows: intensity 439; Llama-3.2-1B 640 rows: 488; the logits GEMM ~680
 # TF/s there); untuned beyond that (tools/splitk_bench.py times the op at other chunk sizes).
@@ -162,7 +163,7 @@ def _default_chunk_rows(N, V, C, elsize, interpret):
 
 
 def _gemm_workspace_bytes(N, V, C, elsize, chunk_rows):
-    """The largest split-K workspace (gemm.py) the chunk GEMMs allocate, logits (rows, V) over C and
+    """The largest split-K workspace (gemm_splitk.py) the chunk GEMMs allocate, logits (rows, V) over C and
     dh (rows, C) over V, for a full and the last chunk (for the activation planner)."""
     rows = {min(chunk_rows, N), N % chunk_rows} - {0}
     return max([0] + [splitk_workspace_bytes(r, n, k, elsize) for r in rows for n, k in ((V, C), (C, V))])

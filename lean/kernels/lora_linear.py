@@ -22,10 +22,10 @@ Backward (the forward read bottom-up; dy B is the gradient flowing into xa):
   Kernel 1 (grid over dx tiles): the O loop accumulates dy W and dy B from one dy tile; the
   epilogue adds scale * (dy B) A into the same accumulator (p > 0: a separate product times the
   regenerated mask of its tile) and writes dx; programs of the first column block store dy B.
-  Kernel 2 (twice): partials of x^T dyb (masked x) and dy^T xa over token chunks into fp32
-  scratch (S, K*R) and (S, O*R), S ~ 2*132 / feature blocks. Kernel 3 (twice): sums the partials
-  in a fixed order into da / db. No atomics: da and db are bit-identical from run to run for a
-  given shape. += lets micro-batches accumulate; the caller zeroes da/db once per step.
+  Kernels 2 and 3 (lora_grad.py, twice): fp32 partials of x^T dyb (masked x) and dy^T xa over
+  token chunks, then their fixed-order sum into da / db. No atomics: da and db are bit-identical
+  from run to run for a given shape. += lets micro-batches accumulate; the caller zeroes da/db
+  once per step.
 
 Hopper: with p = 0, 16-bit TMA-describable inputs (16-byte aligned bases and row strides) and at
 least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost outweighs the gain;
@@ -38,8 +38,8 @@ Deferred dA (lora_linear_bwd with x=None, then lora_linear_bwd_da): a layer that
 projection's input (dense.py drops n1, n2, act) runs kernel 1 and the db partials first and the
 da partials once a later backward kernel has rebuilt x; same kernels, same bits.
 
-Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x), regenerated
-identically by the forward pre-pass and both backward kernels; reproducible for a seed.
+Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x; lora_grad._keep),
+regenerated identically by the forward pre-pass and both backward kernels; reproducible for a seed.
 lora_dropout_mask writes it out as 0/1 for tests.
 
 Supported: R in 1..128 (padded to a power of two >= 16 for tl.dot); p in [0, 1); any N, K, O.
@@ -63,15 +63,9 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import (FLOATS, NUM_SMS, grouped_tile, interpret_big, interpret_config, interpreting,
-                               matmul, tma_ok)
+from lean.kernels.gemm import FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok
+from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
-
-
-@triton.jit
-def _keep(seed, idx, p):
-    """Dropout keep-mask of the x elements at flat int64 indices idx = n * K + k of an (N, K) x."""
-    return tl.rand(seed, idx) >= p
 
 
 @triton.jit
@@ -220,60 +214,6 @@ def _lora_linear_bwd_kernel(
         tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _lora_grad_partial_kernel(
-    part_ptr,                               # (S, P*R) fp32 out, element (i, r) at i*stride_pi + r*stride_pr
-    u_ptr, v_ptr,                           # u (N, P) row stride stride_u; v (N, R) contiguous
-    N, P, R, stride_u, stride_pi, stride_pr, chunk, seed, p,
-    DROPOUT: tl.constexpr,                  # u is x: zero the elements the dropout mask drops
-    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """part[s] = u[tokens of chunk s]^T @ v[same tokens]: da (u = x, v = dy B) and db (u = dy, v = xa)."""
-    s = tl.program_id(1)
-    ri = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    rt = s * chunk + tl.arange(0, BLOCK_T)
-    rr = tl.arange(0, BLOCK_R)
-    i_ok, r_ok = ri < P, rr < R
-    ut_ptrs = u_ptr + rt.to(tl.int64)[None, :] * stride_u + ri[:, None]    # u^T tile (BLOCK_P, BLOCK_T)
-    v_ptrs = v_ptr + rt.to(tl.int64)[:, None] * R + rr[None, :]            # v tile (BLOCK_T, BLOCK_R)
-    acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
-    for t0 in range(0, chunk, BLOCK_T):
-        t_ok = rt + t0 < N
-        ut = tl.load(ut_ptrs, mask=i_ok[:, None] & t_ok[None, :], other=0.0)
-        if DROPOUT:
-            idx = (rt + t0).to(tl.int64)[None, :] * P + ri[:, None]
-            ut = tl.where(_keep(seed, idx, p), ut, tl.zeros_like(ut))
-        vt = tl.load(v_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
-        ut_ptrs += BLOCK_T * stride_u
-        v_ptrs += BLOCK_T * R
-    part_ptrs = part_ptr + s.to(tl.int64) * P * R + ri[:, None] * stride_pi + rr[None, :] * stride_pr
-    tl.store(part_ptrs, acc, mask=i_ok[:, None] & r_ok[None, :])
-
-
-@triton.jit
-def _lora_grad_reduce_kernel(g_ptr, part_ptr, S, numel, stride_s, factor, BLOCK: tl.constexpr,
-                             BLOCK_S: tl.constexpr = 1):
-    """g (numel,) fp32 += factor * sum over s = 0, 1, ..., S-1 of part[s, :numel] (fixed order:
-    BLOCK_S partials at a time, each group summed as a tree, the groups in order). BLOCK_S > 1
-    puts a group's loads in flight together: one L2 latency per group, not per partial."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    rs = tl.arange(0, BLOCK_S)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ptrs = part_ptr + (s0 + rs).to(tl.int64)[:, None] * stride_s + offs[None, :]
-        acc += tl.sum(tl.load(ptrs, mask=((s0 + rs) < S)[:, None] & ok[None, :], other=0.0), axis=0)
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0)
-    tl.store(g_ptr + offs, g + factor * acc, mask=ok)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hopper main loops (16-bit, p = 0, TMA-describable tensors: lora_linear_fwd / _bwd pick them):
-# the math and epilogues of the two kernels above, with the x / W / A (forward) and dy / W / B
-# (backward) tiles loaded by TMA through host descriptors (rows and columns past an edge read as
-# zero) and a persistent grid of n_programs programs walking the output tiles in grouped order.
-
 # ---------------------------------------------------------------------------------------------
 # Launch configuration, 16-bit inputs on an H100. Evidence: tools/gemm_tune.py --sweep, bf16,
 # N = 8192, R = 16, the nine Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs.
@@ -289,13 +229,6 @@ _BWD = (128, 256, 64, 8, 3)
 _BWD_DROPOUT = (128, 128, 64, 8, 4)
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
-# da/db partials (BLOCK_P, BLOCK_T, num_warps, num_stages): 64x64 w4 s3 beat 128x64 (the earlier
-# untuned pick), 128x128 w8 and 256x64 w8 on all nine shapes, 8-30% (tools/step_levers.py lora).
-_GRAD = (64, 64, 4, 3)
-_REDUCE = 1024
-# GPU reduce (BLOCK, BLOCK_S): a 1-D loop over S partials (S = 16..64 here) waited on one L2 latency
-# per partial: 9.1 us a call, 392 calls = 3.6 ms of a Qwen3-0.6B step (H100 profile, graph replay).
-_REDUCE_GPU, _REDUCE_GPU_S = 128, 64
 GROUP_M = 8
 
 
@@ -315,10 +248,6 @@ def _bwd_config(dtype, dropout=0.0, N=0, K=0, O=0):
 
 def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _block_r(R):
-    return max(16, triton.next_power_of_2(R))
 
 
 def _check_lora(x, w, a, b, dropout, seed, dy=None):
@@ -424,7 +353,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
             BLOCK_M=BM, BLOCK_N=BN if dx is not None else 16, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
             PRECISION=prec, num_warps=warps, num_stages=stages)
 
-    # Kernel 2 (twice): partials over token chunks; kernel 3: fixed-order sums into da / db.
+    # Kernels 2 and 3 (lora_grad.py, twice): partials over token chunks, then fixed-order sums into da / db.
     big = interpreting() and interpret_big(N, K, O)
     if x is not None:
         _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True, big=big)
@@ -444,34 +373,6 @@ def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0):
         return
     big = interpreting() and interpret_big(N, K, K)  # the interpreter's model-sized tiles; GPU: False
     _lora_grad(da, x, dyb, scale / (1.0 - dropout), seed, dropout, _precision(dt), transposed=True, big=big)
-
-
-def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False):
-    """g += factor * u^T v, u (N, P), v (N, R'); g is (R, P) if transposed, else (P, R) with
-    R = R'. Transposed, v may carry zero padding columns (R' > R): their partial rows come last
-    and are left out of the sum. big: a model-sized problem under the interpreter."""
-    N, P = u.shape
-    R = v.shape[1]
-    BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
-    if big:  # the interpreter runs programs one by one: one chunk, one feature block up to 2048 wide
-        BP = min(triton.next_power_of_2(P), 2048)
-        BT = max(16, min(triton.next_power_of_2(N), 2**18 // BP))
-    p_blocks = triton.cdiv(P, BP)
-    # enough token chunks to give every SM two programs; the chunking depends on shapes only
-    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
-    S = triton.cdiv(N, chunk)
-    part = torch.empty((S, P * R), device=u.device, dtype=torch.float32)   # (S, P*R)
-    _lora_grad_partial_kernel[(p_blocks, S)](
-        part, u, v, N, P, R, u.stride(0), 1 if transposed else R, P if transposed else 1,
-        chunk, seed, float(dropout),
-        DROPOUT=dropout > 0.0, BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
-        num_warps=warps, num_stages=stages)
-    block = 2**14 if big else _REDUCE
-    block_s = 1
-    if not interpreting():  # GPU: all partials of a column in flight at once (32 KB a program at most)
-        block, block_s = _REDUCE_GPU, min(_REDUCE_GPU_S, triton.next_power_of_2(S))
-    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), block),)](
-        g, part, S, g.numel(), P * R, float(factor), BLOCK=block, BLOCK_S=block_s)
 
 
 def lora_dropout_mask(mask_out, seed, p):

@@ -67,7 +67,7 @@ from typing import NamedTuple, Optional
 
 from ..kernels.gemm import NUM_SMS, interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
-from ..kernels.lora_linear import _GRAD, _block_r
+from ..kernels.lora_grad import _GRAD, _block_r
 from .lora import TARGETS
 
 GiB = 1 << 30
@@ -186,7 +186,7 @@ def _cdiv(a, b):
 
 
 def _lora_partials(N, P, R):
-    """lora_linear._lora_grad's (S, P*R) fp32 partial sums."""
+    """lora_grad._lora_grad's (S, P*R) fp32 partial sums."""
     BP, BT = (32, 32) if interpreting() else _GRAD[:2]
     chunk = BT * _cdiv(_cdiv(N, _cdiv(2 * NUM_SMS, _cdiv(P, BP))), BT)
     return _cdiv(N, chunk) * P * R * 4

@@ -8,7 +8,7 @@ One layer, with s the residual stream entering it and d the previous layer's MLP
     x    = s + d                       (fused into norm1; layer 0 has no d)
     n1   = rmsnorm(x) * w_in
     q, k, v = n1 Wq^T (+bq), n1 Wk^T (+bk), n1 Wv^T (+bv)      each with its LoRA term
-    q, k = rmsnorm_head(q), rmsnorm_head(k)                      (Qwen3 only)
+    q, k = rmsnorm_head(q), rmsnorm_head(k)                      (Qwen3 only; one kernel with rope)
     q, k = rope(q), rope(k)
     o    = attention(q, k, v)          (causal within each packed document)
     a    = o Wo^T (+bo)
@@ -34,6 +34,7 @@ import torch
 
 from ..kernels.attention import attention_bwd, attention_fwd
 from ..kernels.lora_linear import dyb_width, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da, lora_linear_fwd
+from ..kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
 from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
@@ -131,14 +132,15 @@ def layer_forward(s, d, w, ads, ctx, li, cfg):
     proj_fwd(v, xa, n1, w.v, w.v_bias, ads.get("v"), "v", ctx, li)
     del n1  # not saved: rmsnorm_bwd writes it again for the q/k/v dA
     q_pre = k_pre = rstd_q = rstd_k = None
-    if cfg.qk_norm:
+    if cfg.qk_norm:  # the per-head norms and rope in one kernel
         q_pre, k_pre = q, k
         q, k = new(N, H * D), new(N, KVH * D)
         rstd_q, rstd_k = new(N * H, dt=torch.float32), new(N * KVH, dt=torch.float32)
-        rmsnorm_fwd(q.view(N * H, D), rstd_q, q_pre.view(N * H, D), w.q_norm, ctx.eps)
-        rmsnorm_fwd(k.view(N * KVH, D), rstd_k, k_pre.view(N * KVH, D), w.k_norm, ctx.eps)
+        qk_norm_rope_fwd(q.view(N, H, D), k.view(N, KVH, D), rstd_q, rstd_k, q_pre.view(N, H, D),
+                         k_pre.view(N, KVH, D), w.q_norm, w.k_norm, ctx.cos, ctx.sin, ctx.eps)
+    else:
+        rope_fwd(q.view(N, H, D), k.view(N, KVH, D), ctx.cos, ctx.sin)
     q3, k3, v3 = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
-    rope_fwd(q3, k3, ctx.cos, ctx.sin)
     o, lse = new(N, H * D), new(H, N, dt=torch.float32)
     attention_fwd(o.view(N, H, D), lse, q3, k3, v3, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
     a = new(N, C)
@@ -188,14 +190,15 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
                   sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
                   sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
     del do, delta
-    rope_bwd(dq.view(N, H, D), dk.view(N, KVH, D), ctx.cos, ctx.sin)
-    if cfg.qk_norm:  # through the per-head norms to the projections' outputs
+    if cfg.qk_norm:  # through rope and the per-head norms to the projections' outputs (dq, dk only read)
         dq_pre, dk_pre = new(N, H * D), new(N, KVH * D)
-        rmsnorm_bwd(dq_pre.view(N * H, D), None, dq.view(N * H, D), sv.q_pre.view(N * H, D), w.q_norm, sv.rstd_q)
-        rmsnorm_bwd(dk_pre.view(N * KVH, D), None, dk.view(N * KVH, D), sv.k_pre.view(N * KVH, D), w.k_norm,
-                    sv.rstd_k)
+        qk_norm_rope_bwd(dq_pre.view(N, H, D), dk_pre.view(N, KVH, D), dq.view(N, H, D), dk.view(N, KVH, D),
+                         sv.q_pre.view(N, H, D), sv.k_pre.view(N, KVH, D), w.q_norm, w.k_norm, sv.rstd_q, sv.rstd_k,
+                         ctx.cos, ctx.sin)
         dq, dk = dq_pre, dk_pre
         del dq_pre, dk_pre
+    else:
+        rope_bwd(dq.view(N, H, D), dk.view(N, KVH, D), ctx.cos, ctx.sin)
     dn1 = new(N, C)
     proj_bwd(dn1, dq, None, w.q, ads.get("q"), sv.xa.get("q"), "q", ctx, li, False, waiting)
     proj_bwd(dn1, dk, None, w.k, ads.get("k"), sv.xa.get("k"), "k", ctx, li, True, waiting)

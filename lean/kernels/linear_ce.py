@@ -44,7 +44,9 @@ Supported: any N >= 0, V >= 1, C >= 1; row * V may exceed 2^31 (int64 row offset
 Tested: tests/test_linear_ce.py: fp32 and fp16 on CPU (interpreter), N 1..300, V 97..2053, C 64/80,
 several chunks with a partial last one, ignored rows, all rows ignored, grad_scale != 1, dh=None,
 logits of std 100; the gpu-marked cases (bf16 and fp32 up to N 16384, V 151936, C 1024, also as one
-2.5e9-logit chunk) are written for the H100 but have not been run yet.
+2.5e9-logit chunk) pass on the H100.
+Speed (H100, bf16, N = 8192, tools/splitk_bench.py): Qwen3-0.6B 11.3 ms (14.3 before split-K),
+Llama-3.2-1B 18.1 (20.2), Qwen3-8B 34.2 (41.1).
 Caution: the launcher allocates its scratch through torch's caching allocator on every call.
 Caution: fp32 inputs go through gemm.py's exact-fp32 (not tf32) path: correct but slow on a GPU.
 Caution: a target outside [0, V) that is not ignore_index contributes lse (target logit read as 0).

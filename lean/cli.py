@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vram-budget", type=float, help="GiB the step may use: layers are recomputed or offloaded to "
       "pinned host memory to fit (the plan and predicted peak are printed first)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
+    a("--no-graph", action="store_true", help="CUDA: run every step eagerly instead of replaying one captured "
+      "CUDA graph (the default where grad-accum is 1, dropout 0 and no --vram-budget)")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers)")
     return p
@@ -105,7 +107,7 @@ def config_from_args(args):
         max_grad_norm=args.max_grad_norm, dropout=args.dropout, targets=targets,
         seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume,
         progress=not args.quiet, sample_prompt=args.sample_prompt,
-        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, **recipe)
+        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph, **recipe)
 
 
 def merge_run(cfg, adapter_dir):

@@ -253,3 +253,29 @@ def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
     printed = capsys.readouterr().out
     assert "predicted peak" in printed and ("offload" in printed or "recompute" in printed)
     assert _metrics(T.Path(planned.out_dir), "train") == _metrics(T.Path(plain.out_dir), "train")
+
+
+@pytest.mark.gpu
+def test_graph_steps_follow_the_eager_run_gpu(setup, monkeypatch):
+    """On a GPU the default run replays every step from one captured CUDA graph: the per-step losses
+    follow the eager run's (--no-graph) within bf16 noise (the graph's GEMMs may round differently:
+    graph.py's Cautions), and the held-out loss goes down."""
+    calls = []
+    replay = T.StepGraph.step
+
+    def counted(self, *args, **kw):
+        calls.append(self.max_docs)
+        return replay(self, *args, **kw)
+    monkeypatch.setattr(T.StepGraph, "step", counted)
+    kw = dict(dropout=0.0, seed=3, steps=5, lr=3e-2)
+    graph_cfg, eager_cfg = _cfg(setup, "graph", **kw), _cfg(setup, "eager", graph=False, **kw)
+    T.train(graph_cfg)
+    assert calls == [T.GRAPH_DOCS] * 5, f"captured steps replayed: {calls}"
+    T.train(eager_cfg)
+    assert len(calls) == 5, "--no-graph replayed a graph"
+    lg, le = _metrics(T.Path(graph_cfg.out_dir), "train"), _metrics(T.Path(eager_cfg.out_dir), "train")
+    assert sorted(lg) == sorted(le) == [1, 2, 3, 4, 5]
+    for s in lg:
+        assert abs(lg[s] - le[s]) <= 0.02 * abs(le[s]), f"step {s}: graph {lg[s]} vs eager {le[s]}"
+    evals = _metrics(T.Path(graph_cfg.out_dir), "eval")
+    assert evals[5] < evals[0], evals

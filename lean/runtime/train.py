@@ -35,8 +35,13 @@ previous checkpoint is kept and the message says so.
 Before and after training it prints the held-out loss and a greedy sample answer to a fixed
 prompt (lean/runtime/observe.py: KV-cache generation through lean's kernels); metrics also go to
 TensorBoard (out_dir/tb) when tensorboard is installed.
+On a CUDA device with grad_accum 1, dropout 0 and no vram_budget (and graph=True, the default),
+each step is replayed from one captured CUDA graph (lean.StepGraph: zero-grad, forward, loss,
+backward and AdamW in one launch; batches padded to max_tokens tokens in GRAPH_DOCS document
+slots); a batch of more documents than that runs eagerly. The graph's GEMMs may differ from the
+eager step's in the last bit (graph.py's Cautions); `--no-graph` runs every step eagerly.
 Tested: tests/test_train.py (loss goes down, resume == uninterrupted, atomic checkpoint, NaN
-error, CLI).
+error, CLI; on the GPU the graph run against the eager one).
 """
 import json
 import math
@@ -55,6 +60,7 @@ from .data import load_records, pack_batches, split_heldout, tokenize_records
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
 from .observe import METRICS, Metrics, Progress, sample
+from .graph import StepGraph
 from .optim import AdamW
 from .plan import format_plan, plan_for
 from .step import forward_backward, loss_eval
@@ -100,6 +106,7 @@ class TrainConfig:
     sample_tokens: int = 32       # new tokens per sample (0: no samples)
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
     vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: keep all)
+    graph: bool = True            # CUDA: replay each step from one captured graph where it can
 
 
 # ---------------------------------------------------------------- setup
@@ -314,8 +321,25 @@ def _state(cfg, step, epoch, index, lora_steps):
             "config": asdict(cfg)}
 
 
+GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs eagerly)
+
+
+def _step_graph(cfg, model, lora, opt, device, plan):
+    """The captured step where it applies (see the module docstring), else None."""
+    if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0 and plan is None):
+        return None
+    return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS)
+
+
+def _graph_batch(graph, docs, vocab):
+    """docs packed to the graph's fixed shapes, or None when they need more document slots than it
+    has (the padding document takes one)."""
+    return graph.pack(docs, vocab=vocab) if len(docs) < graph.max_docs else None
+
+
 def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None):
     out = Path(cfg.out_dir)
+    graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
     if eval_batches and step == 0:
         eval_loss, n = evaluate(model, lora, eval_batches)
@@ -332,17 +356,24 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             # the last completed step's position: what an interrupt checkpoint records
             pos = (stream.epoch, stream.index, lora.steps)
             t0 = time.time()
-            batches = [pack(stream.next(), cfg.max_tokens, device=device, vocab=vocab)
-                       for _ in range(cfg.grad_accum)]
-            n_targets = sum(b.n_targets for b in batches)  # host ints: no sync
-            lora.zero_grad()
-            sums = []  # device tensors, read once at the log point
-            for b in batches:
-                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1), plan=plan)
-                sums.append(loss_sum)
+            docs = [stream.next() for _ in range(cfg.grad_accum)]
+            fixed = _graph_batch(graph, docs[0], vocab) if graph is not None else None
             lr = lr_at(step + 1, cfg)
-            in_update = True
-            opt.step(lr=lr)
+            if fixed is not None:  # the captured step: one replay
+                batches = [fixed]
+                n_targets = fixed.n_targets
+                in_update = True
+                sums = [graph.step(fixed, lr=lr)[0]]
+            else:
+                batches = [pack(d, cfg.max_tokens, device=device, vocab=vocab) for d in docs]
+                n_targets = sum(b.n_targets for b in batches)  # host ints: no sync
+                lora.zero_grad()
+                sums = []  # device tensors, read once at the log point
+                for b in batches:
+                    loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1), plan=plan)
+                    sums.append(loss_sum)
+                in_update = True
+                opt.step(lr=lr)
             step += 1
             in_update = False
             loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
@@ -352,7 +383,8 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                                  "--warmup) and check the data for broken records; the last checkpoint "
                                  f"in {out / CHECKPOINT} is untouched")
             dt = time.time() - t0
-            n_tokens = sum(b.n_tokens for b in batches)
+            n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
+                        else sum(b.n_tokens for b in batches))
             tokens_total += n_tokens
             elapsed = time.time() - t_start
             eta = elapsed / (step - done_at_start) * (cfg.steps - step)

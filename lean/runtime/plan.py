@@ -242,7 +242,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
     grads = {r.name: rb(r) for r in GRADS}
     xb = N * C * act_bytes  # one (N, C) activation
     full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
-    m = sum(rb(r) for r in FORWARD_EXTRA)
+    fwd_extra = sum(rb(r) for r in FORWARD_EXTRA)  # act and m at the down projection
     holds = {KEEP: full, RECOMPUTE: xb, OFFLOAD: 0}  # what a finished layer keeps on the GPU
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
                    for part in ("all", "dx", "dA", "dyb")} for t in lora_targets}
@@ -257,7 +257,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
         prev = modes[li - 1] if li else None
         inputs = 0 if li == 0 else xb + (0 if prev == KEEP else xb)  # d, and s = mid unless kept
         pending = xb if prev == OFFLOAD else 0  # the previous input, until its copy is retired
-        at(f"forward of layer {li}", held + pending + inputs + full + m)
+        at(f"forward of layer {li}", held + pending + inputs + full + fwd_extra)
         held += holds[mode]
     last = modes[-1]
     final = 2 * xb + N * 4  # x_final, nf, rstd
@@ -273,7 +273,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
         held -= holds[mode]
         cur = full - (xb if mode == OFFLOAD else 0)  # an offloaded x lives in a reload buffer
         if mode != KEEP:
-            at(f"recompute of layer {li}", held + base + cur + m)
+            at(f"recompute of layer {li}", held + base + cur + fwd_extra)
         for name, live, waiting, runs, projs in BACKWARD_MOMENTS:
             extra = sum(scratch[t]["dyb"] for t in waiting if t in scratch)
             extra += max([scratch[t][runs] for t in projs if t in scratch], default=0)

@@ -18,14 +18,14 @@ from lean.models.config import config_from_hf
 from lean.models.weights import empty_model
 from lean.runtime import offload
 from lean.runtime.plan import (
-    GiB, KEEP, OFFLOAD, PLAN, RECOMPUTE, SLACK, PlanError, format_plan, layer_bytes, make_plan, plan_for,
-    plan_step, row_bytes,
+    DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates, candidates,
+    format_plan, layer_bytes, make_plan, ordered_modes, plan_cost, plan_for, plan_step, row_bytes,
 )
 from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
 from tests.hf_models import tiny_config
 from tests.util import fresh_generator
 
-K, R, O = KEEP, RECOMPUTE, OFFLOAD
+K, R, O, U = KEEP, RECOMPUTE, OFFLOAD, OFFLOAD_UP
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QWEN3_8B = dict(
     architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -120,9 +120,10 @@ class LiveBytes:
 # CPU: the scheduler's logic with synchronous copies, and the walk against real allocations
 
 @pytest.mark.parametrize("arch,r,dropout,modes", [
-    ("qwen3", 16, 0.0, (O, O, O)),  # QK-norm; three slots share two reload buffers; last layer offloaded
-    ("llama", 8, 0.1, (O, R, K)),  # dropout masks regenerated in the recompute; padded rank 8; every mode
-], ids=["qwen3-offload-all", "llama-mixed"])
+    ("qwen3", 16, 0.0, (U, O, U)),  # QK-norm; three slots share two reload buffers; last layer offloaded
+    ("qwen2", 8, 0.0, (O, O, O)),  # every input offloaded, no up
+    ("llama", 8, 0.1, (U, O, R, K)),  # dropout masks regenerated in the rebuild; padded rank 8; every mode
+], ids=["qwen3-offload-up", "qwen2-offload-all", "llama-mixed"])
 def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
     gen = fresh_generator("cpu")
     model = _model(_tiny(arch, len(modes)), gen)
@@ -131,7 +132,7 @@ def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
     N, cfg = batch.n_tokens, model.config
     plan = make_plan(cfg, 64, modes, lora_rank=r, lora_targets=lora.targets, act_bytes=4)  # buffers for 64
     sched = offload.scheduler(model, plan, N)  # built once, before the step (as a warm-up would)
-    for t in [sched.host, *sched.reload]:
+    for t in [sched.host, sched.host_up, *sched.reload, *sched.reload_up]:
         t.fill_(float("nan"))  # a skipped copy cannot pass unnoticed
     rope_tables(model, batch)  # per-batch constants, built before counting
 
@@ -157,10 +158,10 @@ def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
 
 def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
     gen = fresh_generator("cpu")
-    model = _model(_tiny("qwen2", 3), gen)
+    model = _model(_tiny("qwen2", 4), gen)
     lora = _lora(model, 4, 0.0, gen)
     batch = _batch(model, gen, 23)
-    plan = make_plan(model.config, batch.n_tokens, (O, R, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    plan = make_plan(model.config, batch.n_tokens, (U, O, R, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
     sched = offload.scheduler(model, plan, batch.n_tokens)
     tape = Tape()
     _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape, plan, sched)
@@ -171,58 +172,90 @@ def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
             for u in (t.values() if isinstance(t, dict) else [t]):
                 if u is not None:
                     held[u.data_ptr()] = u.numel() * u.element_size()
-    assert [type(s).__name__ for _, s, _ in tape.records] == ["NoneType", "Tensor", "Saved"]
+    assert [type(s).__name__ for _, s, _ in tape.records] == ["Kept", "Kept", "Kept", "Saved"]
+    assert [s.x is None for _, s, _ in tape.records[:3]] == [True, True, False]
     assert sum(held.values()) == plan.kept_bytes
-    assert sched.host.numel() * sched.host.element_size() == plan.host_bytes
+    assert sum(t.numel() * t.element_size() for t in (sched.host, sched.host_up)) == plan.host_bytes
+    assert sched.host_up.shape[0] == 1 and len(sched.reload_up) == 2
     # what went to the host is layer 0's input: the embedding rows of the batch
     assert torch.equal(sched.host[0], model.embed[batch.ids.long()])
     with pytest.raises(offload.OffloadError, match="made for at most"):
         offload.scheduler(model, plan, batch.n_tokens + 1)
     with pytest.raises(offload.OffloadError, match="make it for this model"):
         offload.scheduler(model, make_plan(config_from_hf(_tiny("qwen2", 2)), 8, (O, K), lora_rank=4), 8)
+    # a plan without offload_up allocates no up buffers
+    plan = make_plan(model.config, batch.n_tokens, (O, O, R, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    sched = offload.scheduler(model, plan, batch.n_tokens)
+    assert sched.host_up.numel() == 0 and sched.reload_up == []
 
 
 # ---------------------------------------------------------------------------------------------
 # The planner (arithmetic only)
 
-@pytest.mark.parametrize("config", [QWEN3_8B, LLAMA_32_3B], ids=["qwen3-8b", "llama-3.2-3b"])
-def test_planner_picks_the_cheapest_plan_that_fits(config):
-    cfg = config_from_hf(config)
+@pytest.mark.parametrize("config,n_layers", [(QWEN3_8B, 12), (LLAMA_32_3B, 10)], ids=["qwen3-8b", "llama-3.2-3b"])
+def test_planner_picks_the_cheapest_plan_that_fits(config, n_layers):
+    """Real layer shapes, fewer layers (every candidate is walked here): the plan fits, and every
+    ordered plan that costs less does not."""
+    cfg = config_from_hf(config | {"num_hidden_layers": n_layers})
     L, N, w = cfg.n_layers, 8192, _weights_bytes(cfg)
+    gen = fresh_generator("cpu")
+    rates = Rates(*(r * (0.5 + float(u)) for r, u in zip(DEFAULT_RATES, torch.rand(3, generator=gen))))
     keep = make_plan(cfg, N, (K,) * L, lora_rank=16, weights_bytes=w)
     least = make_plan(cfg, N, (O,) * L, lora_rank=16, weights_bytes=w)
     assert plan_step(cfg, N, 16, None, w).modes == (K,) * L
     assert plan_step(cfg, N, 16, keep.memory.peak + SLACK, w).modes == (K,) * L
-    gen = fresh_generator("cpu")
-    for frac in torch.rand(4, generator=gen).tolist():
+    every = [make_plan(cfg, N, ordered_modes(L, *c), lora_rank=16, weights_bytes=w, rates=rates) for c in candidates(L)]
+    assert len(every) == (L + 1) * (L + 2) * (L + 3) // 6
+    picked = set()
+    for frac in torch.rand(6, generator=gen).tolist():
         budget = int(least.memory.peak + SLACK + frac * (keep.memory.peak - least.memory.peak))
-        plan = plan_step(cfg, N, 16, budget, w)
-        n_rec = sum(m != K for m in plan.modes)
-        n_off = plan.modes.count(O)
-        assert plan.modes == (O,) * n_off + (R,) * (n_rec - n_off) + (K,) * (L - n_rec)
+        plan = plan_step(cfg, N, 16, budget, w, rates=rates)
         assert plan.memory.peak + SLACK <= budget, format_plan(plan)
-        fewer_rec = make_plan(cfg, N, (O,) * (n_rec - 1) + (K,) * (L - n_rec + 1), lora_rank=16, weights_bytes=w)
-        assert fewer_rec.memory.peak + SLACK > budget, "a plan recomputing fewer layers fits"
-        if n_off:
-            fewer_off = make_plan(cfg, N, (O,) * (n_off - 1) + (R,) * (n_rec - n_off + 1) + (K,) * (L - n_rec),
-                                  lora_rank=16, weights_bytes=w)
-            assert fewer_off.memory.peak + SLACK > budget, "a plan offloading fewer layers fits"
+        assert plan.cost == plan_cost(cfg, plan.modes, N, 2, rates) > 0
+        cheaper = [p.modes for p in every if p.cost < plan.cost - 1e-12 and p.memory.peak + SLACK <= budget]
+        assert not cheaper, f"{cheaper[0]} fits {budget} B and costs less than {plan.modes}"
+        picked.add(plan.modes)
+    print(f"{len(picked)} distinct plans: {sorted(picked)}")
     with pytest.raises(PlanError, match=r"too small .* needs \d+\.\d+ GiB"):
         plan_step(cfg, N, 16, least.memory.peak, w)
+    # pinned host memory held to a limit: nothing offloaded beyond it
+    budget = int(least.memory.peak + SLACK + 0.3 * (keep.memory.peak - least.memory.peak))
+    limit = least.host_bytes // 2
+    plan = plan_step(cfg, N, 16, budget, w, rates=rates, host_budget_bytes=limit)
+    assert plan.host_bytes <= limit and plan.memory.peak + SLACK <= budget
+
+
+def test_cost_model_prefers_offload_up_only_where_the_link_hides_it():
+    """Qwen3-8B shapes: up's copy (x + up, 256 MiB) hides under a layer's forward at H100 rates,
+    so offload_up costs less than offload; with a link 10x slower it costs more."""
+    cfg = config_from_hf(QWEN3_8B)
+    L, N = cfg.n_layers, 8192
+    fast, slow = DEFAULT_RATES, DEFAULT_RATES._replace(d2h=5e9, h2d=5e9)
+    for rates, up_wins in [(fast, True), (slow, False)]:
+        up = plan_cost(cfg, (U,) * L, N, 2, rates)
+        off = plan_cost(cfg, (O,) * L, N, 2, rates)
+        rec = plan_cost(cfg, (R,) * L, N, 2, rates)
+        assert (up < off) == up_wins, (up, off)
+        assert rec <= off and plan_cost(cfg, (K,) * L, N, 2, rates) == 0
+    # at 17.5 GiB the planner now rebuilds layers from reloaded up projections
+    plan = plan_step(cfg, N, 16, int(17.5 * GiB), _weights_bytes(cfg))
+    print(format_plan(plan))
+    assert U in plan.modes and plan.memory.peak + SLACK <= 17.5 * GiB
 
 
 def test_plan_bytes_are_the_sum_of_its_policies():
     gen = fresh_generator("cpu")
     cfg = config_from_hf(QWEN3_8B)
     N = 1 + _randint(gen, 9000)
-    modes = tuple([O, R, K][i] for i in torch.randint(0, 3, (cfg.n_layers,), generator=gen).tolist())
+    modes = tuple([U, O, R, K][i] for i in torch.randint(0, 4, (cfg.n_layers,), generator=gen).tolist())
     plan = make_plan(cfg, N, modes, lora_rank=16)
     rb = {r.name: row_bytes(r, cfg, N, 2, 16, 7) for r in PLAN}
     kept = sum(rb[r.name] for li in range(cfg.n_layers) for r in PLAN if plan.policy(li, r.name) == K)
     host = sum(rb[r.name] for li in range(cfg.n_layers) for r in PLAN if plan.policy(li, r.name) == O)
     assert plan.kept_bytes == kept
-    assert plan.host_bytes == host == modes.count(O) * N * cfg.hidden * 2
-    assert plan.memory.reload == (2 * N * cfg.hidden * 2 if O in modes else 0)
+    xb, upb = N * cfg.hidden * 2, N * cfg.intermediate * 2
+    assert plan.host_bytes == host == modes.count(O) * xb + modes.count(U) * (xb + upb)
+    assert plan.memory.reload == 2 * xb * (O in modes or U in modes) + 2 * upb * (U in modes)
     assert layer_bytes(cfg, N, 2, 16, 7) == sum(rb.values())
     # an activation peak can never be below what the finished layers keep plus one layer's rows
     assert plan.memory.activations > kept
@@ -235,7 +268,7 @@ def test_plan_bytes_are_the_sum_of_its_policies():
 def test_llama_3b_fits_8_gib_and_plan_for_counts_the_model():
     cfg = config_from_hf(LLAMA_32_3B)
     plan = plan_step(cfg, 8192, 16, 8 * GiB, _weights_bytes(cfg))
-    assert plan.memory.peak + SLACK <= 8 * GiB and O in plan.modes
+    assert plan.memory.peak + SLACK <= 8 * GiB and any(m in OFFLOADED for m in plan.modes)
     print(format_plan(plan))
     gen = fresh_generator("cpu")
     model = _model(_tiny("llama", 2), gen, dtype=torch.float16)
@@ -268,7 +301,7 @@ def test_offload_bitwise_and_no_sync_gpu():
     gen = fresh_generator("cuda")
     model, lora, batch = _gpu_setup(QWEN3_8B, 4, 8192, 0.1, gen)
     ref = _step(model, lora, batch, None).clone(), lora.grads.clone()
-    for modes in [(O, O, O, O), (O, O, R, K)]:
+    for modes in [(O, O, O, O), (U, U, O, K), (U, O, R, K)]:
         plan = plan_for(model, lora, 8192)
         plan = make_plan(model.config, 8192, modes, lora_rank=16, lora_targets=lora.targets,
                          weights_bytes=plan.memory.weights)
@@ -319,7 +352,7 @@ def test_planned_step_captures_in_a_cuda_graph_gpu():
     gen = fresh_generator("cuda")
     config = QWEN3_8B | dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, vocab_size=32000)
     model, lora, batch = _gpu_setup(config, 3, 2048, 0.0, gen)
-    plan = make_plan(model.config, 2048, (O, O, R), lora_rank=16, lora_targets=lora.targets)
+    plan = make_plan(model.config, 2048, (U, O, R), lora_rank=16, lora_targets=lora.targets)
     eager = _step(model, lora, batch, plan).clone(), lora.grads.clone()
     torch.cuda.synchronize()
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()

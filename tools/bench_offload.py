@@ -3,11 +3,13 @@
     python tools/bench_offload.py                                  # both models, default budgets
     python tools/bench_offload.py --model llama-3.2-3b --budget 8 --steps 5
 
-Per model (random-init bf16, LoRA r=16 alpha=32 dropout 0 on q,k,v,o,gate,up,down, AdamW, one packed
+The planner prices its candidates with the pinned link and GEMM rates it measures first
+(offload.measure_rates; printed under the plan). Per model (random-init bf16, LoRA r=16 alpha=32 dropout 0 on q,k,v,o,gate,up,down, AdamW, one packed
 row of 8192 tokens, document lengths exponential with mean 512, at least 16, seeded), four plans:
   planned    plan_for(model, lora, 8192, budget): what --vram-budget runs (qwen3-8b 17.5 GiB,
              llama-3.2-3b 8 GiB); its table is printed first
-  offload    every layer's input offloaded, the rest recomputed
+  offload_up every layer's input and up projection offloaded, the rest rebuilt (without up's GEMM)
+  offload    every layer's input offloaded, the rest rebuilt
   recompute  every layer's input kept, the rest recomputed (the same compute as offload, no copies)
   keep       everything kept (no plan), when it fits the GPU
 Columns: tokens/s and ms of one optimizer step (forward_backward + AdamW, median of --steps after
@@ -35,7 +37,7 @@ import lean  # noqa: E402
 from lean.models.config import config_from_hf  # noqa: E402
 from lean.models.weights import empty_model  # noqa: E402
 from lean.runtime import step as step_module  # noqa: E402
-from lean.runtime.plan import GiB, OFFLOAD, RECOMPUTE, format_plan, make_plan, plan_for  # noqa: E402
+from lean.runtime.plan import GiB, OFFLOAD, OFFLOAD_UP, RECOMPUTE, format_plan, make_plan, plan_for  # noqa: E402
 
 TOKENS = 8192
 CONFIGS = {
@@ -131,9 +133,9 @@ def bench_model(name, budget_gib, warmup, steps, with_keep):
     print(format_plan(planned), flush=True)
     L, w = model.config.n_layers, planned.memory.weights
     plans = {"planned": planned}
-    for mode in (OFFLOAD, RECOMPUTE):
+    for mode in (OFFLOAD_UP, OFFLOAD, RECOMPUTE):
         plans[mode] = make_plan(model.config, TOKENS, (mode,) * L, lora_rank=16, lora_targets=lora.targets,
-                                weights_bytes=w)
+                                weights_bytes=w, rates=planned.rates)
     if with_keep:
         plans["keep"] = plan_for(model, lora, TOKENS)
     out = {}

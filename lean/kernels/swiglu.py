@@ -96,7 +96,8 @@ def _config(N, F):
 
 
 def swiglu_fwd(h, g, u):
-    """h (N, F) = silu(g) * u, computed in fp32 and rounded once. Returns nothing."""
+    """h (N, F) = silu(g) * u, computed in fp32 and rounded once; h may be g or u (in place).
+    Returns nothing."""
     check(g, "g", shape=(None, None), dtype=_DTYPES, last_contiguous=True)
     N, F = g.shape
     dev, dt = g.device, g.dtype

@@ -82,11 +82,14 @@ def _seed(ctx, layer_idx, t):
 
 
 def proj_fwd(y, xa_out, x, w, bias, ad, t, ctx, li):
-    """y = x W^T (+ bias) (+ LoRA term when projection t carries an adapter)."""
+    """y = x W^T (+ bias) (+ LoRA term when projection t carries an adapter). xa_out[t] receives
+    drop(x) A^T; a rebuild passes the kept one, written again with the same bits."""
     if ad is None:
         linear_fwd(y, x, w, bias=bias)
         return
-    xa = torch.empty(x.shape[0], ad.a_lowp.shape[0], dtype=x.dtype, device=x.device)  # (N, R)
+    xa = xa_out.get(t)
+    if xa is None:
+        xa = torch.empty(x.shape[0], ad.a_lowp.shape[0], dtype=x.dtype, device=x.device)  # (N, R)
     lora_linear_fwd(y, xa, x, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale, bias=bias,
                     dropout=ctx.dropout, seed=_seed(ctx, li, t))
     xa_out[t] = xa
@@ -113,11 +116,21 @@ def proj_bwd_da(waiting, x, ads, ctx, li):
     waiting.clear()
 
 
-def layer_forward(s, d, w, ads, ctx, li, cfg):
-    """(s, d) -> (mid, m), saved. w: the layer's frozen weights; ads: target -> Adapter."""
+def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
+    """(s, d) -> (mid, m), saved. w: the layer's frozen weights; ads: target -> Adapter.
+
+    keep: the Saved fields the caller holds on to (None: all). The others are let go as soon as
+    the forward is done with them (q/k/v after attention, o after its projection, gate after
+    swiglu...) and are None in saved: a layer rebuilt in backward peaks lower in forward.
+
+    rebuild = (xa, up): backward's recompute from the layer input s (d None) of what the forward
+    did not keep. It runs only what the backward reads: xa (kept) is written again in place, up
+    (offloaded, or None) is not recomputed, and swiglu and the down projection do not run (their
+    outputs are the next layer's input and the down dA's input, which swiglu_bwd writes again).
+    Returns (None, saved), saved equal to the forward's bit for bit."""
     N, C, H, KVH, D = s.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     new = lambda *shape, dt=s.dtype: torch.empty(*shape, dtype=dt, device=s.device)  # noqa: E731
-    xa = {}
+    xa, up = rebuild if rebuild is not None else ({}, None)
     # attention block
     n1, rstd1 = new(N, C), new(N, dt=torch.float32)
     if d is None:
@@ -138,27 +151,41 @@ def layer_forward(s, d, w, ads, ctx, li, cfg):
         rstd_q, rstd_k = new(N * H, dt=torch.float32), new(N * KVH, dt=torch.float32)
         qk_norm_rope_fwd(q.view(N, H, D), k.view(N, KVH, D), rstd_q, rstd_k, q_pre.view(N, H, D),
                          k_pre.view(N, KVH, D), w.q_norm, w.k_norm, ctx.cos, ctx.sin, ctx.eps)
+        if keep is not None:
+            q_pre = k_pre = rstd_q = rstd_k = None
     else:
         rope_fwd(q.view(N, H, D), k.view(N, KVH, D), ctx.cos, ctx.sin)
-    q3, k3, v3 = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
     o, lse = new(N, H * D), new(H, N, dt=torch.float32)
-    attention_fwd(o.view(N, H, D), lse, q3, k3, v3, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    attention_fwd(o.view(N, H, D), lse, q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D),
+                  ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    if keep is not None:
+        q = k = v = None
     a = new(N, C)
     proj_fwd(a, xa, o, w.o, w.o_bias, ads.get("o"), "o", ctx, li)
+    if keep is not None:
+        o = lse = None
     # MLP block
     mid, n2, rstd2 = new(N, C), new(N, C), new(N, dt=torch.float32)
     rmsnorm_fwd(n2, rstd2, x, w.post_norm, ctx.eps, residual=a, h=mid)
     del a  # dead: its memory serves the MLP (the activation plan counts on it)
     F = cfg.intermediate
-    gate, up = new(N, F), new(N, F)
+    gate = new(N, F)
     proj_fwd(gate, xa, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
-    proj_fwd(up, xa, n2, w.up, None, ads.get("up"), "up", ctx, li)
+    if up is None:
+        up = new(N, F)
+        proj_fwd(up, xa, n2, w.up, None, ads.get("up"), "up", ctx, li)
     del n2  # not saved, like n1
-    act = new(N, F)
+    if rebuild is not None:  # the backward needs neither act nor m
+        return None, Saved(x, rstd1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, gate, up)
+    act = new(N, F) if keep is None else gate  # gate not kept: act is written over it
     swiglu_fwd(act, gate, up)
+    if keep is not None:
+        gate, up = None, (up if "up" in keep else None)
     m = new(N, C)
     proj_fwd(m, xa, act, w.down, None, ads.get("down"), "down", ctx, li)
     saved = Saved(x, rstd1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, gate, up)
+    if keep is not None:
+        saved = Saved(*(v if f in keep else None for f, v in zip(Saved._fields, saved)))
     return (mid, m), saved  # act dies here: swiglu_bwd writes it again for the down dA
 
 

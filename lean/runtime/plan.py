@@ -31,37 +31,46 @@ them: they were a third of a kept layer.
 
 Policies, chosen per layer by its mode (MODES): a row is `keep` (stays on the GPU until its
 layer's backward), `offload` (copied to pinned host memory in forward, reloaded in backward) or
-`recompute` (dropped in forward, rebuilt in backward by rerunning layer_forward from the input):
+`recompute` (dropped in forward, rebuilt in backward by rerunning layer_forward from the input).
+xa, a few MiB per layer, is kept in every mode: with it the rebuild skips swiglu and the down
+projection (dense.layer_forward(rebuild=...)), whose outputs backward never reads:
 
-| mode      | x       | every other row | GPU bytes the layer holds | extra work in backward       |
-|-----------|---------|-----------------|---------------------------|------------------------------|
-| keep      | keep    | keep            | all rows                  | none                         |
-| recompute | keep    | recompute       | N*C*act                   | the layer's forward          |
-| offload   | offload | recompute       | 0 (one reload buffer)     | the forward; copies overlap  |
+| mode       | x       | up        | xa   | every other row | GPU bytes the layer holds | extra work in backward          |
+|------------|---------|-----------|------|-----------------|---------------------------|---------------------------------|
+| keep       | keep    | keep      | keep | keep            | all rows                  | none                            |
+| recompute  | keep    | recompute | keep | recompute       | x, xa                     | the forward up to gate/up       |
+| offload    | offload | recompute | keep | recompute       | xa (one reload buffer)    | the same; copies overlap        |
+| offload_up | offload | offload   | keep | recompute       | xa (one reload buffer)    | as offload, without up's GEMM   |
 
-The planner (plan_step) picks the cheapest modes that fit a VRAM budget: all keep if that fits;
-otherwise the fewest recomputed layers, and among those the fewest offloaded (a copy costs
-nothing when it hides under compute, but it can only lose). Offloaded layers come first
-(0, 1, ...), then recomputed ones, then kept ones: the backward reaches the offloaded layers last,
-and the reload of the highest offloaded layer hides under the backward of the layer above it.
+The planner (plan_step) prices every plan that orders its layers offload_up, offload, recompute,
+keep (the backward reaches the offloaded layers last, and the reload of the highest one hides
+under the backward of the layer above it) with the rates of this machine (Rates, measured by
+offload.measure_rates): a rebuild costs its GEMM FLOPs; a copy costs nothing while it hides under
+the compute it overlaps (a layer's forward for the offload, its backward for the reload) and the
+difference when it does not. It returns the cheapest plan that fits the budget (ties: fewer
+copies, then less pinned host memory), and all keep when that fits.
 
 The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
 allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the
-batch descriptor and RoPE tables, the scheduler's two reload buffers), and on top of it, moment by
-moment, the rows the finished layers hold, the working layer's inputs and saved rows, its gradient
-buffers (BACKWARD_MOMENTS, dense.py frees each when dead), the kernels' own scratch (lora_linear_bwd's
+batch descriptor and RoPE tables, the scheduler's reload buffers), and on top of it, moment by
+moment, the rows the finished layers hold, the working layer's forward or rebuild allocation by
+allocation (forward_events: a layer rebuilt later lets each row go once its forward is done with
+it, and writes act over gate), its gradient buffers (BACKWARD_MOMENTS, dense.py frees each when
+dead), the kernels' own scratch (lora_linear_bwd's
 dy B and partial sums, linear_ce's logits chunk) and the lm_head/loss buffers. Budgets compare
 with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
 memory and its 512-byte rounding are not counted).
 
 Errors: PlanError when no plan fits the budget (it names the smallest peak and the fixes).
 Tested: tests/test_offload.py (CPU: the walk equals the bytes allocated during a step, allocation
-by allocation; the plan's kept bytes equal what the tape holds; planner choices) and
+by allocation; the plan's kept bytes equal what the tape holds; on real layer shapes no cheaper
+ordered plan fits, every candidate walked) and
 tests/test_step.py (the table names exactly what a layer saves). GPU (H100): measured peak <=
 budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md).
 Caution: the kernel scratch rules below mirror kernels/lora_linear.py and kernels/linear_ce.py;
 the CPU test fails when they drift apart.
 """
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -74,9 +83,30 @@ GiB = 1 << 30
 # Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to
 # 512 bytes (a few hundred live tensors: under 1 MiB), and a few scalars live outside the step.
 SLACK = 8 << 20
-KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
-# mode -> (policy of x, policy of every other saved row)
-MODES = {KEEP: (KEEP, KEEP), RECOMPUTE: (KEEP, RECOMPUTE), OFFLOAD: (OFFLOAD, RECOMPUTE)}
+KEEP, RECOMPUTE, OFFLOAD, OFFLOAD_UP = "keep", "recompute", "offload", "offload_up"
+# mode -> policy of (x, up, every other row but xa); xa is kept in every mode
+MODES = {KEEP: (KEEP, KEEP, KEEP), RECOMPUTE: (KEEP, RECOMPUTE, RECOMPUTE),
+         OFFLOAD: (OFFLOAD, RECOMPUTE, RECOMPUTE), OFFLOAD_UP: (OFFLOAD, OFFLOAD, RECOMPUTE)}
+OFFLOADED = (OFFLOAD, OFFLOAD_UP)  # modes whose input x goes to the host
+# mode -> the Saved fields its layer_forward hands back (None: all); the rest die in the forward
+KEPT_ROWS = {KEEP: None, RECOMPUTE: ("x", "xa"), OFFLOAD: ("x", "xa"), OFFLOAD_UP: ("x", "xa", "up")}
+
+
+def mode_policy(mode, name):
+    """keep / offload / recompute of saved row `name` in a layer run in `mode`."""
+    x, up, rest = MODES[mode]
+    return {"x": x, "up": up, "xa": KEEP}.get(name, rest)
+
+
+class Rates(NamedTuple):
+    """What this machine moves and computes per second (offload.measure_rates measures them)."""
+    d2h: float  # pinned device -> host bytes/s (the forward's offloads)
+    h2d: float  # pinned host -> device bytes/s (the backward's reloads)
+    flops: float  # a layer-sized GEMM's FLOP/s
+
+
+# An H100 SXM's measured rates (BENCHMARKS.md): the planner's prices when none are measured (CPU).
+DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12)
 
 
 class PlanError(ValueError):
@@ -225,12 +255,33 @@ class Memory(NamedTuple):
     weights: int  # frozen model tensors
     lora: int  # LoRA params, grads, compute copy, AdamW moments
     constants: int  # batch descriptor, RoPE tables
-    reload: int  # the offload scheduler's two (N, C) reload buffers
+    reload: int  # the offload scheduler's two (N, C) reload buffers (and two (N, F) with offload_up)
     activations: int  # the step's own high-water mark above all of the above
 
     @property
     def peak(self):
         return sum(self)
+
+
+def forward_events(cfg, lora_targets, keep=None, first=False, rebuild=False, up_given=False):
+    """dense.layer_forward's allocations ("+", row) and releases ("-", row), in its order. keep:
+    its keep argument (None: every Saved row); first: layer 0 (x is the input, not allocated);
+    rebuild: the backward's rebuild (x given, xa written in place, no act or m); up_given: up is
+    the reloaded one. Rows: PLAN's names (q_pre/k_pre are the first q/k with QK-norm), "xa:t" per
+    LoRA projection t, and n1, a, n2, act, m."""
+    drop = (lambda *names: [("-", n) for n in names if n not in keep]) if keep is not None else (lambda *n: [])
+    xa = (lambda *ts: [("+", "xa:" + t) for t in ts if t in lora_targets and not rebuild])
+    q, k = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
+    ev = [("+", "n1"), ("+", "rstd1")] + ([] if first or rebuild else [("+", "x")])
+    ev += [("+", q), ("+", k), ("+", "v")] + xa("q", "k", "v") + [("-", "n1")]
+    if cfg.qk_norm:
+        ev += [("+", "q"), ("+", "k"), ("+", "rstd_q"), ("+", "rstd_k")] + drop("q_pre", "k_pre", "rstd_q", "rstd_k")
+    ev += [("+", "o"), ("+", "lse")] + drop("q", "k", "v") + [("+", "a")] + xa("o") + drop("o", "lse")
+    ev += [("+", "mid"), ("+", "n2"), ("+", "rstd2"), ("-", "a"), ("+", "gate")] + xa("gate")
+    ev += ([] if up_given else [("+", "up")] + xa("up")) + [("-", "n2")]
+    if not rebuild:
+        ev += ([("+", "act")] if keep is None else drop("up")) + [("+", "m")] + xa("down")  # else act = gate
+    return ev
 
 
 def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
@@ -240,10 +291,12 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
     nt = len(lora_targets)
     rb = lambda r: row_bytes(r, cfg, N, act_bytes, lora_rank, nt)  # noqa: E731
     grads = {r.name: rb(r) for r in GRADS}
-    xb = N * C * act_bytes  # one (N, C) activation
+    rows = {r.name: rb(r) for r in PLAN + FORWARD_EXTRA}
+    xb, upb, xab = rows["x"], rows["up"], rows["xa"]  # xb: one (N, C) activation
+    rows.update({"n1": xb, "n2": xb, "a": xb}, **{"xa:" + t: xab // max(nt, 1) for t in lora_targets})
     full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
-    fwd_extra = sum(rb(r) for r in FORWARD_EXTRA)  # act and m at the down projection
-    holds = {KEEP: full, RECOMPUTE: xb, OFFLOAD: 0}  # what a finished layer keeps on the GPU
+    holds = {KEEP: full, RECOMPUTE: xb + xab, OFFLOAD: xab, OFFLOAD_UP: xab}  # a finished layer, on the GPU
+    sent = {KEEP: 0, RECOMPUTE: 0, OFFLOAD: xb, OFFLOAD_UP: xb + upb}  # its rows on the host (and in flight)
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
                    for part in ("all", "dx", "dA", "dyb")} for t in lora_targets}
     best = [0, "nothing allocated"]
@@ -252,17 +305,23 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
         if live > best[0]:
             best[:] = [live, moment]
 
+    def run(moment, live, events):
+        for sign, name in events:
+            live += rows[name] if sign == "+" else -rows[name]
+            at(moment, live)
+
     held = 0  # bytes the finished layers hold
     for li, mode in enumerate(modes):
         prev = modes[li - 1] if li else None
-        inputs = 0 if li == 0 else xb + (0 if prev == KEEP else xb)  # d, and s = mid unless kept
-        pending = xb if prev == OFFLOAD else 0  # the previous input, until its copy is retired
-        at(f"forward of layer {li}", held + pending + inputs + full + fwd_extra)
+        inputs = xb if li == 0 else xb + (0 if prev == KEEP else xb)  # s (layer 0: x), d, and s = mid unless kept
+        pending = sent[prev] if li else 0  # the previous layer's offloaded rows, until their copy is retired
+        run(f"forward of layer {li}", held + pending + inputs,
+            forward_events(cfg, lora_targets, KEPT_ROWS[mode], first=li == 0))
         held += holds[mode]
     last = modes[-1]
     final = 2 * xb + N * 4  # x_final, nf, rstd
     s_d = xb + (0 if last == KEEP else xb)
-    at("final norm", held + (xb if last == OFFLOAD else 0) + s_d + final)
+    at("final norm", held + sent[last] + s_d + final)
     loss = 2 * 4
     ce = linear_ce_scratch(N, V, C, act_bytes) + 4  # + the (1,) fp32 grad_scale it makes from a number
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
@@ -271,14 +330,42 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
     for li in reversed(range(len(modes))):
         mode = modes[li]
         held -= holds[mode]
-        cur = full - (xb if mode == OFFLOAD else 0)  # an offloaded x lives in a reload buffer
-        if mode != KEEP:
-            at(f"recompute of layer {li}", held + base + cur + fwd_extra)
+        cur = full - sent[mode]  # offloaded rows live in the reload buffers
+        if mode != KEEP:  # the rebuild, from x and xa (kept, or x in a reload buffer)
+            run(f"recompute of layer {li}", held + base + xab + (xb if mode == RECOMPUTE else 0),
+                forward_events(cfg, lora_targets, rebuild=True, up_given=mode == OFFLOAD_UP))
         for name, live, waiting, runs, projs in BACKWARD_MOMENTS:
             extra = sum(scratch[t]["dyb"] for t in waiting if t in scratch)
             extra += max([scratch[t][runs] for t in projs if t in scratch], default=0)
             at(f"backward of layer {li} ({name})", held + base + cur + sum(grads[g] for g in live) + extra)
     return best[0], best[1]
+
+
+def layer_flops(cfg, n_tokens):
+    """GEMM FLOPs of one layer's forward: (q, k, v and o together, gate, up, down)."""
+    N, C, F = n_tokens, cfg.hidden, cfg.intermediate
+    return 2 * N * C * 2 * (cfg.q_dim + cfg.kv_dim), 2 * N * C * F, 2 * N * C * F, 2 * N * F * C
+
+
+def plan_cost(cfg, modes, n_tokens, act_bytes, rates):
+    """Predicted seconds a plan adds to an all-keep step: the rebuilds' GEMMs, and every copy's
+    excess over the compute it hides under (an offload under the next layer's forward, a reload
+    under the backward of the layer above). Attention and elementwise work are left out: the
+    GEMMs are most of a layer, and the same in every candidate."""
+    attn, gate, up, down = layer_flops(cfg, n_tokens)
+    fwd = (attn + gate + up + down) / rates.flops  # a layer's forward; its backward's dx GEMMs alike
+    rebuild = {KEEP: 0.0, RECOMPUTE: (attn + gate + up) / rates.flops, OFFLOAD: (attn + gate + up) / rates.flops,
+               OFFLOAD_UP: (attn + gate) / rates.flops}
+    xb, upb = n_tokens * cfg.hidden * act_bytes, n_tokens * cfg.intermediate * act_bytes
+    sent = {KEEP: 0, RECOMPUTE: 0, OFFLOAD: xb, OFFLOAD_UP: xb + upb}
+    cost = 0.0
+    for li, mode in enumerate(modes):
+        cost += rebuild[mode]
+        if sent[mode]:
+            above = modes[li + 1] if li + 1 < len(modes) else KEEP
+            cost += max(0.0, sent[mode] / rates.d2h - fwd)
+            cost += max(0.0, sent[mode] / rates.h2d - (fwd + rebuild[above]))
+    return cost
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,35 +380,37 @@ class Plan:
     memory: Memory
     peak_at: str  # the moment of the predicted peak
     budget_bytes: Optional[int] = None
+    cost: float = 0.0  # predicted seconds over an all-keep step (plan_cost)
+    rates: Rates = DEFAULT_RATES  # what the cost was priced with
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
-        x, rest = MODES[self.modes[li]]
-        return x if name == "x" else rest
+        return mode_policy(self.modes[li], name)
 
     @property
     def offloaded(self):
-        return tuple(li for li, m in enumerate(self.modes) if m == OFFLOAD)
+        """Layers whose input goes to the host."""
+        return tuple(li for li, m in enumerate(self.modes) if m in OFFLOADED)
 
-    @property
-    def x_bytes(self):
-        return self.n_tokens * self.cfg.hidden * self.act_bytes
+    def _bytes(self, policy):
+        nt = len(self.lora_targets)
+        rows = {r.name: row_bytes(r, self.cfg, self.n_tokens, self.act_bytes, self.lora_rank, nt) for r in PLAN}
+        return sum(b for m in self.modes for name, b in rows.items() if mode_policy(m, name) == policy)
 
     @property
     def kept_bytes(self):
         """Device bytes the layers hold at the end of the forward: rows whose policy is keep."""
-        full = layer_bytes(self.cfg, self.n_tokens, self.act_bytes, self.lora_rank, len(self.lora_targets))
-        return sum(full if m == KEEP else self.x_bytes if m == RECOMPUTE else 0 for m in self.modes)
+        return self._bytes(KEEP)
 
     @property
     def host_bytes(self):
-        """Pinned host bytes: one (N, C) slot per offloaded layer."""
-        return len(self.offloaded) * self.x_bytes
+        """Pinned host bytes: a slot per offloaded row of every layer."""
+        return self._bytes(OFFLOAD)
 
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
-              optimizer=True, budget_bytes=None):
-    """The plan with these per-layer modes, and its predicted memory."""
+              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES):
+    """The plan with these per-layer modes, its predicted memory and cost."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -329,56 +418,98 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
     act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets)
-    reload = 2 * n_tokens * cfg.hidden * act_bytes if OFFLOAD in modes else 0
+    reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
+        2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
                  constant_bytes(cfg, n_tokens), reload, act)
-    return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes)
+    cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
+    return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates)
 
 
-def _modes(L, n_offload, n_recompute):
-    return (OFFLOAD,) * n_offload + (RECOMPUTE,) * n_recompute + (KEEP,) * (L - n_offload - n_recompute)
+def ordered_modes(L, n_up, n_offload, n_recompute):
+    """The planner's layer order: offload_up, offload, recompute, then keep."""
+    n_keep = L - n_up - n_offload - n_recompute
+    return (OFFLOAD_UP,) * n_up + (OFFLOAD,) * n_offload + (RECOMPUTE,) * n_recompute + (KEEP,) * n_keep
+
+
+def candidates(L):
+    """Every (n_up, n_offload, n_recompute) of L layers."""
+    return [(u, o, r) for u in range(L + 1) for o in range(L + 1 - u) for r in range(L + 1 - u - o)]
 
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
-              optimizer=True):
-    """The cheapest plan whose predicted peak fits budget_bytes (None: all keep, no limit).
-    Raises PlanError when even offloading every layer's input does not fit."""
-    L = cfg.n_layers
+              optimizer=True, rates=None, host_budget_bytes=None):
+    """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
+    budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
+    budget_bytes is None or it fits. Raises PlanError when even offloading every layer's input
+    and recomputing the rest does not fit."""
+    L, rates = cfg.n_layers, rates or DEFAULT_RATES
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, weights_bytes=weights_bytes,
-              optimizer=optimizer, budget_bytes=budget_bytes)
-    make = lambda n_off, n_rec: make_plan(cfg, n_tokens, _modes(L, n_off, n_rec), **kw)  # noqa: E731
+              optimizer=optimizer, budget_bytes=budget_bytes, rates=rates)
     fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
-    keep = make(0, 0)
+    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw)
     if budget_bytes is None or fits(keep):
         return keep
-    for k in range(1, L + 1):  # the fewest layers that must be recomputed (all of them offloaded) ...
-        if fits(make(k, 0)):
-            break
-    else:
-        least = make(L, 0)
-        raise PlanError(
-            f"VRAM budget {budget_bytes / GiB:.2f} GiB is too small for {n_tokens}-token steps: even with every "
-            f"layer's input offloaded the step needs {least.memory.peak / GiB:.2f} GiB ({_parts(least.memory)}; "
-            f"peak at {least.peak_at}). Raise the budget, pack fewer tokens per step (max_tokens), or use a "
-            f"smaller LoRA rank or fewer targets")
-    for n_off in range(k + 1):  # ... then the fewest of those offloaded
-        plan = make(n_off, k - n_off)
+    # Price every ordered plan (arithmetic, no walk), then walk them cheapest first until one fits.
+    # A plan can never peak below its persistent bytes plus what its finished layers hold: those
+    # that cannot fit by that bound are dropped unwalked.
+    nt = len(lora_targets) if lora_r else 0
+    rows = {r.name: row_bytes(r, cfg, n_tokens, act_bytes, lora_r, nt) for r in PLAN}
+    hold = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == KEEP) for m in MODES}
+    host = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == OFFLOAD) for m in MODES}
+    fixed = keep.memory.peak - keep.memory.activations
+    xb, upb = rows["x"], rows["up"]
+    priced = []
+    for u, o, r in candidates(L):
+        modes = ordered_modes(L, u, o, r)
+        host_bytes = sum(host[m] for m in modes)
+        if host_budget_bytes is not None and host_bytes > host_budget_bytes:
+            continue
+        bound = fixed + sum(hold[m] for m in modes) + 2 * (xb * (u + o > 0) + upb * (u > 0))
+        if bound + SLACK > budget_bytes:
+            continue
+        priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates), host_bytes, modes))
+    for _, _, modes in sorted(priced):
+        plan = make_plan(cfg, n_tokens, modes, **kw)
         if fits(plan):
             return plan
-    raise AssertionError("unreachable: n_off = k fits")
+    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw)
+    host_note = "" if host_budget_bytes is None else (
+        f" (pinned host memory allowed: {host_budget_bytes / GiB:.2f} GiB; offloading every input takes "
+        f"{least.host_bytes / GiB:.2f})")
+    raise PlanError(
+        f"VRAM budget {budget_bytes / GiB:.2f} GiB is too small for {n_tokens}-token steps: even with every "
+        f"layer's input offloaded the step needs {least.memory.peak / GiB:.2f} GiB ({_parts(least.memory)}; "
+        f"peak at {least.peak_at}){host_note}. Raise the budget, pack fewer tokens per step (max_tokens), or "
+        f"use a smaller LoRA rank or fewer targets")
 
 
-def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True):
+def host_memory_bytes():
+    """Physical host memory (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
-    from the model's tensors."""
+    from the model's tensors; pinned host memory is held to half of this machine's memory; rates
+    price the candidates (None: measured here by offload.measure_rates when a budget is given on a
+    GPU, a setup-time sync; DEFAULT_RATES on a CPU)."""
+    if rates is None and budget_bytes is not None and model.device.type == "cuda":
+        from .offload import measure_rates
+        rates = measure_rates(model, n_tokens)
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [layer.buf for layer in model.layers]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             weights += t.numel() * t.element_size()
     r, targets = (lora.r, lora.targets) if lora is not None else (0, ())
+    host = host_memory_bytes()
     return plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
-                     act_bytes=model.dtype.itemsize, optimizer=optimizer)
+                     act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
+                     host_budget_bytes=host // 2 if host else None)
 
 
 def _gib(b):
@@ -416,11 +547,16 @@ def format_plan(plan):
         b = row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, nt)
         if b == 0:
             continue
-        pol = [MODES[m][0 if r.name == "x" else 1] for m in used]
+        pol = [mode_policy(m, r.name) for m in used]
         out.append(f"| {r.name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
                    + " | ".join(pol) + " |")
     full = layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, nt)
     out.append(f"saved per kept layer {full / 2**20:.1f} MiB; kept on the GPU after the forward "
                f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
     out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")
+    if plan.cost:
+        r = plan.rates
+        out.append(f"predicted cost over keeping everything: {plan.cost * 1e3:.1f} ms a step (rebuild GEMMs, "
+                   f"copies not hidden), priced at D2H {r.d2h / 1e9:.1f} GB/s, H2D {r.h2d / 1e9:.1f} GB/s, "
+                   f"GEMM {r.flops / 1e12:.0f} TFLOP/s{' (defaults)' if r == DEFAULT_RATES else ''}")
     return "\n".join(out)

@@ -8,15 +8,19 @@ tensor, and the target count is a host int from the batch descriptor.
 With a plan (plan=, from plan.plan_step / plan_for), each layer runs in its mode, and the two
 loops show where it happens:
     keep       the tape holds the layer's Saved tuple (the default, plan=None)
-    recompute  the tape holds only the layer input x; backward reruns layer_forward from it
+    recompute  the tape holds Kept(x, xa): the layer input and the LoRA xa rows; backward reruns
+               layer_forward(rebuild=...) from them, up to the gate/up projections
     offload    forward copies x to pinned host memory (sched.offload, on a copy stream; retired a
-               layer later), the tape holds nothing; backward reloads x one layer ahead
+               layer later), the tape holds Kept(None, xa); backward reloads x one layer ahead
                (sched.prefetch before the layer above runs its backward, sched.wait before use),
-               then recomputes as above
-The recomputed Saved is bit-identical to the forward's (same kernels, inputs and dropout seeds),
+               then rebuilds as above
+    offload_up as offload, and the up projection goes to the host and back with x: the rebuild
+               skips its GEMM
+The rebuilt Saved is bit-identical to the forward's (same kernels, inputs and dropout seeds),
 so the gradients are the same bits with or without a plan (tests/test_offload.py).
 """
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -25,14 +29,20 @@ from ..kernels.gemm import matmul
 from ..kernels.linear_ce import linear_ce_fwd_bwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
-from ..models.dense import Ctx, Saved, layer_backward, layer_forward
+from ..models.dense import Ctx, layer_backward, layer_forward
 from .offload import scheduler
-from .plan import KEEP, OFFLOAD, RECOMPUTE
+from .plan import KEEP, KEPT_ROWS, OFFLOADED
+
+
+class Kept(NamedTuple):
+    """What the tape holds of a layer that is rebuilt in backward."""
+    x: Optional[torch.Tensor]  # (N, C) the layer input; None when offloaded
+    xa: dict  # target -> (N, R) LoRA rows, kept (the rebuild writes them again in place)
 
 
 class Tape:
     """The minimal autograd engine: a list of (backward, saved, args), popped in reverse by
-    _backward_layers. saved: the layer's Saved (keep), its input x (recompute) or None (offload)."""
+    _backward_layers. saved: the layer's Saved (keep) or Kept (rebuilt in backward)."""
 
     def __init__(self):
         self.records = []
@@ -80,14 +90,15 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     d = None
     for li, w in enumerate(model.layers):
         ads = lora.layers[li] if lora is not None else {}
-        (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg)
+        keep = () if tape is None else KEPT_ROWS[modes[li]]  # what the tape or the scheduler will hold
+        (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg, keep=keep)
         if tape is None:
             continue
-        if modes[li] == OFFLOAD:
-            sched.offload(li, saved.x)  # D2H on the copy stream, under layer li+1's forward
-            saved = None  # the rest is recomputed in backward
-        elif modes[li] == RECOMPUTE:
-            saved = saved.x  # keep the input only
+        if modes[li] in OFFLOADED:
+            sched.offload(li, saved.x, saved.up)  # D2H on the copy stream, under layer li+1's forward
+            saved = Kept(None, saved.xa)  # the rest is rebuilt in backward
+        elif modes[li] != KEEP:
+            saved = Kept(saved.x, saved.xa)  # keep the input (and xa) only
         if sched is not None:
             sched.retire(li - 1)  # compute waits for layer li-1's copy (done by now); its x is freed
         tape.record(layer_backward, saved, w, ads, ctx, li, cfg)
@@ -98,7 +109,7 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     rmsnorm_fwd(nf, rstd, s, model.norm, cfg.rms_eps, residual=d, h=x_final)
     if sched is not None:
         sched.retire(L - 1)
-        if modes[L - 1] == OFFLOAD:
+        if modes[L - 1] in OFFLOADED:
             sched.prefetch(L - 1)  # the last layer's reload runs under the lm_head + loss
     return nf, x_final, rstd
 
@@ -109,15 +120,14 @@ def _backward_layers(g, tape, plan=None, sched=None):
     while tape.records:
         backward, saved, args = tape.records.pop()  # popping frees each layer's activations
         w, ads, ctx, li, cfg = args
-        if modes is not None and li > 0 and modes[li - 1] == OFFLOAD:
-            sched.prefetch(li - 1)  # H2D of the next layer's input, under this layer's backward
-        if saved is None:
-            saved = sched.wait(li)  # offloaded: this layer's input, reloaded
-        if not isinstance(saved, Saved):
-            saved = layer_forward(saved, None, w, ads, ctx, li, cfg)[1]  # recompute from the input
+        if modes is not None and li > 0 and modes[li - 1] in OFFLOADED:
+            sched.prefetch(li - 1)  # H2D of the next layer's rows, under this layer's backward
+        if isinstance(saved, Kept):
+            x, up = (saved.x, None) if saved.x is not None else sched.wait(li)  # offloaded: reloaded
+            saved = layer_forward(x, None, w, ads, ctx, li, cfg, rebuild=(saved.xa, up))[1]  # rebuild
         g = backward(g, saved, *args)
-        if modes is not None and modes[li] == OFFLOAD:
-            sched.release(li)  # its reload buffer may be refilled
+        if modes is not None and modes[li] in OFFLOADED:
+            sched.release(li)  # its reload buffers may be refilled
     return g
 
 

@@ -297,9 +297,10 @@ def _step(model, lora, batch, plan, opt=None):
 
 
 @pytest.mark.gpu
-def test_offload_bitwise_and_no_sync_gpu():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # 0: the Hopper TMA kernels (the rebuild skips xa's pre-pass)
+def test_offload_bitwise_and_no_sync_gpu(dropout):
     gen = fresh_generator("cuda")
-    model, lora, batch = _gpu_setup(QWEN3_8B, 4, 8192, 0.1, gen)
+    model, lora, batch = _gpu_setup(QWEN3_8B, 4, 8192, dropout, gen)
     ref = _step(model, lora, batch, None).clone(), lora.grads.clone()
     for modes in [(O, O, O, O), (U, U, O, K), (U, O, R, K)]:
         plan = plan_for(model, lora, 8192)
@@ -330,7 +331,7 @@ def test_measured_peak_within_budget_and_prediction_gpu(config, n_layers):
     budget = keep.memory.peak - int(2.5 * full)  # forces offload/recompute of about three layers
     plan = plan_for(model, lora, 8192, budget)
     print(format_plan(plan))
-    assert O in plan.modes or R in plan.modes
+    assert any(m != K for m in plan.modes)
     _step(model, lora, batch, plan, opt)  # warm-up: compiles, builds the scheduler and RoPE tables
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

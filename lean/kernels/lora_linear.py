@@ -277,8 +277,10 @@ def dyb_width(R):
     return _block_r(R)
 
 
-def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0):
-    """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written."""
+def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):
+    """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written.
+    xa_ready: xa already holds drop(x) A^T (a layer rebuilt in backward): the paths that compute
+    it in a pre-pass (dropout, Hopper) skip it; the fused kernel writes it again, the same bits."""
     N, K, O, R = _check_lora(x, w, a, b, dropout, seed)
     check(y, "y", shape=(N, O), dtype=x.dtype, device=x.device, last_contiguous=True)
     check(xa, "xa", shape=(N, R), dtype=x.dtype, device=x.device, contiguous=True)
@@ -287,7 +289,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
     if N == 0:
         return
     BR, prec = _block_r(R), _precision(x.dtype)
-    if dropout > 0.0:
+    if dropout > 0.0 and not xa_ready:
         BM, BK, warps, stages = _XA
         if interpreting():  # the main kernel's row block and K step
             BM, _, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
@@ -295,7 +297,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0)
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
     if dropout == 0.0 and tma_ok(x, w, a, macs=N * K * O):
-        _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR)
+        _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)

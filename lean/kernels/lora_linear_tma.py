@@ -215,11 +215,12 @@ def _pre_config(M, N, K, dtype, config):
     return _TMA_PRE_FP32 if dtype == torch.float32 else _TMA_PRE
 
 
-def _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, *, config=None):
-    """lora_linear_fwd (p = 0) on the Hopper path: xa by lora_xa's kernel, then
+def _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, *, config=None, xa_ready=False):
+    """lora_linear_fwd (p = 0) on the Hopper path: xa by lora_xa's kernel (unless xa_ready), then
     _lora_linear_fwd_tma_pre_kernel. config (BM, BN, BK, warps, stages): tools/lora_bench.py only."""
     (N, K), O, R = x.shape, w.shape[0], a.shape[0]
-    _lowrank(xa, x, a.t())                                            # xa (N, R)
+    if not xa_ready:
+        _lowrank(xa, x, a.t())                                        # xa (N, R)
     BM, BN, BK, warps, stages = _pre_config(N, O, K, x.dtype, config)
     n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN))
     _lora_linear_fwd_tma_pre_kernel[(n_programs,)](

@@ -83,15 +83,16 @@ def _seed(ctx, layer_idx, t):
 
 def proj_fwd(y, xa_out, x, w, bias, ad, t, ctx, li):
     """y = x W^T (+ bias) (+ LoRA term when projection t carries an adapter). xa_out[t] receives
-    drop(x) A^T; a rebuild passes the kept one, written again with the same bits."""
+    drop(x) A^T; a rebuild passes the kept one (its pre-pass skipped, or written again, the same bits)."""
     if ad is None:
         linear_fwd(y, x, w, bias=bias)
         return
     xa = xa_out.get(t)
+    ready = xa is not None  # kept: the kernels that compute it in a pre-pass skip it
     if xa is None:
         xa = torch.empty(x.shape[0], ad.a_lowp.shape[0], dtype=x.dtype, device=x.device)  # (N, R)
     lora_linear_fwd(y, xa, x, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale, bias=bias,
-                    dropout=ctx.dropout, seed=_seed(ctx, li, t))
+                    dropout=ctx.dropout, seed=_seed(ctx, li, t), xa_ready=ready)
     xa_out[t] = xa
 
 

@@ -82,7 +82,9 @@ from .lora import TARGETS
 GiB = 1 << 30
 # Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to
 # 512 bytes (a few hundred live tensors: under 1 MiB), and a few scalars live outside the step.
-SLACK = 8 << 20
+# On the H100 a planned Qwen3-8B step measured 6.6 MiB (eager) and 10.7 MiB (StepGraph) above
+# the walk (bench.py step --budget 17.5, commit ce965d8), so 8 MiB was too little.
+SLACK = 16 << 20
 KEEP, RECOMPUTE, OFFLOAD, OFFLOAD_UP = "keep", "recompute", "offload", "offload_up"
 # mode -> policy of (x, up, every other row but xa); xa is kept in every mode
 MODES = {KEEP: (KEEP, KEEP, KEEP), RECOMPUTE: (KEEP, RECOMPUTE, RECOMPUTE),

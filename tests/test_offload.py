@@ -275,6 +275,7 @@ def test_llama_3b_fits_8_gib_and_plan_for_counts_the_model():
     lora = lean.LoRA.init(model, r=4, alpha=8)
     p = plan_for(model, lora, 64)
     assert p.memory.weights == _weights_bytes(model.config) and p.act_bytes == 2
+    assert offload.measure_rates(model, 64) is None and p.rates == DEFAULT_RATES  # CPU: nothing to measure
     assert p.memory.lora == lora.numel * (4 + 4 + 2 + 8)
 
 
@@ -332,6 +333,8 @@ def test_measured_peak_within_budget_and_prediction_gpu(config, n_layers):
     plan = plan_for(model, lora, 8192, budget)
     print(format_plan(plan))
     assert any(m != K for m in plan.modes)
+    r = plan.rates  # measured by plan_for on the GPU (offload.measure_rates)
+    assert r != DEFAULT_RATES and 1e9 < r.d2h < 1e12 and 1e9 < r.h2d < 1e12 and 1e12 < r.flops < 1e16, r
     _step(model, lora, batch, plan, opt)  # warm-up: compiles, builds the scheduler and RoPE tables
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -18,9 +18,10 @@ from lean.models.config import config_from_hf
 from lean.models.weights import empty_model
 from lean.runtime import offload
 from lean.runtime.plan import (
-    DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates, candidates,
-    format_plan, layer_bytes, make_plan, ordered_modes, plan_cost, plan_for, plan_step, row_bytes,
+    DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates, layer_bytes,
+    make_plan, plan_cost, row_bytes,
 )
+from lean.runtime.planner import candidates, format_plan, ordered_modes, plan_for, plan_step
 from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
 from tests.hf_models import tiny_config
 from tests.util import fresh_generator

@@ -240,7 +240,8 @@ def test_single_file_script_runs(setup, tmp_path):
 def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
     """--vram-budget just under the all-keep peak: the planner recomputes/offloads a layer, prints
     its plan, and the per-step losses equal the unplanned run's (bitwise on CPU)."""
-    from lean.runtime.plan import SLACK, plan_for
+    from lean.runtime.plan import SLACK
+    from lean.runtime.planner import plan_for
 
     plain = _cfg(setup, "budget-off", steps=3, seed=11)
     T.train(plain)

@@ -37,7 +37,8 @@ import lean  # noqa: E402
 from lean.models.config import config_from_hf  # noqa: E402
 from lean.models.weights import empty_model  # noqa: E402
 from lean.runtime import step as step_module  # noqa: E402
-from lean.runtime.plan import GiB, OFFLOAD, OFFLOAD_UP, RECOMPUTE, format_plan, make_plan, plan_for  # noqa: E402
+from lean.runtime.plan import GiB, OFFLOAD, OFFLOAD_UP, RECOMPUTE, make_plan  # noqa: E402
+from lean.runtime.planner import format_plan, plan_for  # noqa: E402
 
 TOKENS = 8192
 CONFIGS = {

@@ -41,7 +41,7 @@ lean's rows (the child runs them in one process, eager first):
               (the note says "bit-equal to eager" or NOT). Its peak counts from a reset after the
               eager steps: weights, LoRA and AdamW state, the graph's warm-up, capture and replays
               (not the check's copies of the optimizer state).
-  --budget G  both rows run under lean.runtime.plan.plan_for(model, lora, 8192, G GiB): the fewest
+  --budget G  both rows run under lean.runtime.planner.plan_for(model, lora, 8192, G GiB): the fewest
               recomputed / offloaded layers that fit G (the note names the plan and its predicted
               peak; recompute is flagged like the peers' checkpointing). A budget no plan fits
               fails the row with PlanError's message. Unsloth's row then runs with its offloaded
@@ -194,11 +194,11 @@ def lean_setup(name, layout, smoke=False):
 
 
 def lean_plan(model, lora, n_tokens, budget_gib):
-    """The activation plan for a VRAM budget in GiB (lean.runtime.plan.plan_for), or None (keep
+    """The activation plan for a VRAM budget in GiB (lean.runtime.planner.plan_for), or None (keep
     everything). Raises PlanError when no plan fits, naming the smallest peak."""
     if budget_gib is None:
         return None
-    from lean.runtime.plan import plan_for
+    from lean.runtime.planner import plan_for
 
     return plan_for(model, lora, n_tokens, int(budget_gib * 2**30))
 

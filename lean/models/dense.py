@@ -186,7 +186,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
     proj_fwd(m, xa, act, w.down, None, ads.get("down"), "down", ctx, li)
     saved = Saved(x, rstd1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, gate, up)
     if keep is not None:
-        saved = Saved(*(v if f in keep else None for f, v in zip(Saved._fields, saved)))
+        saved = Saved(*(t if f in keep else None for f, t in zip(Saved._fields, saved)))
     return (mid, m), saved  # act dies here: swiglu_bwd writes it again for the down dA
 
 

@@ -42,13 +42,7 @@ projection (dense.layer_forward(rebuild=...)), whose outputs backward never read
 | offload    | offload | recompute | keep | recompute       | xa (one reload buffer)    | the same; copies overlap        |
 | offload_up | offload | offload   | keep | recompute       | xa (one reload buffer)    | as offload, without up's GEMM   |
 
-The planner (plan_step) prices every plan that orders its layers offload_up, offload, recompute,
-keep (the backward reaches the offloaded layers last, and the reload of the highest one hides
-under the backward of the layer above it) with the rates of this machine (Rates, measured by
-offload.measure_rates): a rebuild costs its GEMM FLOPs; a copy costs nothing while it hides under
-the compute it overlaps (a layer's forward for the offload, its backward for the reload) and the
-difference when it does not. It returns the cheapest plan that fits the budget (ties: fewer
-copies, then less pinned host memory), and all keep when that fits.
+The planner (lean/runtime/planner.py) picks the modes; this module prices and sizes a given plan.
 
 The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
 allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the
@@ -61,16 +55,14 @@ dy B and partial sums, linear_ce's logits chunk) and the lm_head/loss buffers. B
 with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
 memory and its 512-byte rounding are not counted).
 
-Errors: PlanError when no plan fits the budget (it names the smallest peak and the fixes).
+Errors: PlanError for modes that do not match the model (and, from the planner, when no plan fits).
 Tested: tests/test_offload.py (CPU: the walk equals the bytes allocated during a step, allocation
-by allocation; the plan's kept bytes equal what the tape holds; on real layer shapes no cheaper
-ordered plan fits, every candidate walked) and
+by allocation; the plan's kept bytes equal what the tape holds) and
 tests/test_step.py (the table names exactly what a layer saves). GPU (H100): measured peak <=
 budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md).
 Caution: the kernel scratch rules below mirror kernels/lora_linear.py and kernels/linear_ce.py;
 the CPU test fails when they drift apart.
 """
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -432,139 +424,3 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
                  constant_bytes(cfg, n_tokens), reload, act)
     cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates)
-
-
-def ordered_modes(L, n_up, n_offload, n_recompute):
-    """The planner's layer order: offload_up, offload, recompute, then keep."""
-    n_keep = L - n_up - n_offload - n_recompute
-    return (OFFLOAD_UP,) * n_up + (OFFLOAD,) * n_offload + (RECOMPUTE,) * n_recompute + (KEEP,) * n_keep
-
-
-def candidates(L):
-    """Every (n_up, n_offload, n_recompute) of L layers."""
-    return [(u, o, r) for u in range(L + 1) for o in range(L + 1 - u) for r in range(L + 1 - u - o)]
-
-
-def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
-              optimizer=True, rates=None, host_budget_bytes=None):
-    """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
-    budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
-    budget_bytes is None or it fits. Raises PlanError when even offloading every layer's input
-    and recomputing the rest does not fit."""
-    L, rates = cfg.n_layers, rates or DEFAULT_RATES
-    kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, weights_bytes=weights_bytes,
-              optimizer=optimizer, budget_bytes=budget_bytes, rates=rates)
-    fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
-    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw)
-    if budget_bytes is None or fits(keep):
-        return keep
-    # Price every ordered plan (arithmetic, no walk), then walk them cheapest first until one fits.
-    # A plan can never peak below its persistent bytes plus what its finished layers hold: those
-    # that cannot fit by that bound are dropped unwalked.
-    nt = len(lora_targets) if lora_r else 0
-    rows = {r.name: row_bytes(r, cfg, n_tokens, act_bytes, lora_r, nt) for r in PLAN}
-    hold = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == KEEP) for m in MODES}
-    host = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == OFFLOAD) for m in MODES}
-    fixed = keep.memory.peak - keep.memory.activations
-    xb, upb = rows["x"], rows["up"]
-    priced = []
-    for u, o, r in candidates(L):
-        modes = ordered_modes(L, u, o, r)
-        host_bytes = sum(host[m] for m in modes)
-        if host_budget_bytes is not None and host_bytes > host_budget_bytes:
-            continue
-        bound = fixed + sum(hold[m] for m in modes) + 2 * (xb * (u + o > 0) + upb * (u > 0))
-        if bound + SLACK > budget_bytes:
-            continue
-        priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates), host_bytes, modes))
-    for _, _, modes in sorted(priced):
-        plan = make_plan(cfg, n_tokens, modes, **kw)
-        if fits(plan):
-            return plan
-    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw)
-    host_note = "" if host_budget_bytes is None else (
-        f" (pinned host memory allowed: {host_budget_bytes / GiB:.2f} GiB; offloading every input takes "
-        f"{least.host_bytes / GiB:.2f})")
-    raise PlanError(
-        f"VRAM budget {budget_bytes / GiB:.2f} GiB is too small for {n_tokens}-token steps: even with every "
-        f"layer's input offloaded the step needs {least.memory.peak / GiB:.2f} GiB ({_parts(least.memory)}; "
-        f"peak at {least.peak_at}){host_note}. Raise the budget, pack fewer tokens per step (max_tokens), or "
-        f"use a smaller LoRA rank or fewer targets")
-
-
-def host_memory_bytes():
-    """Physical host memory (0 where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 0
-
-
-def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
-    """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
-    from the model's tensors; pinned host memory is held to half of this machine's memory; rates
-    price the candidates (None: measured here by offload.measure_rates when a budget is given on a
-    GPU, a setup-time sync; DEFAULT_RATES on a CPU)."""
-    if rates is None and budget_bytes is not None and model.device.type == "cuda":
-        from .offload import measure_rates
-        rates = measure_rates(model, n_tokens)
-    seen, weights = set(), 0
-    for t in [model.embed, model.lm_head, model.norm] + [layer.buf for layer in model.layers]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            weights += t.numel() * t.element_size()
-    r, targets = (lora.r, lora.targets) if lora is not None else (0, ())
-    host = host_memory_bytes()
-    return plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
-                     act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
-                     host_budget_bytes=host // 2 if host else None)
-
-
-def _gib(b):
-    return f"{b / GiB:.2f} GiB"
-
-
-def _parts(mem):
-    return ", ".join(f"{name} {_gib(b)}" for name, b in zip(Memory._fields, mem))
-
-
-def _spans(modes):
-    """[(first, last, mode)] runs of equal modes."""
-    runs = []
-    for li, m in enumerate(modes):
-        if runs and runs[-1][2] == m:
-            runs[-1][1] = li
-        else:
-            runs.append([li, li, m])
-    return runs
-
-
-def format_plan(plan):
-    """The plan as a printable table: layer modes, every saved row with its bytes and policy per
-    mode in use, and the predicted peak by part."""
-    cfg, N, nt = plan.cfg, plan.n_tokens, len(plan.lora_targets)
-    used = [m for m in MODES if m in plan.modes]
-    budget = f"; budget {_gib(plan.budget_bytes)}" if plan.budget_bytes is not None else "; no budget"
-    out = [f"activation plan: {cfg.arch}, {cfg.n_layers} layers, N={N} tokens, {plan.act_bytes}-byte activations, "
-           f"LoRA r={plan.lora_rank} on {nt} projections{budget}"]
-    for first, last, m in _spans(plan.modes):
-        out.append(f"  {f'layers {first}-{last}' if last > first else f'layer {first}'}: {m}")
-    out.append("| tensor | shape | dtype | MiB/layer | " + " | ".join(used) + " |")
-    out.append("|---" * (4 + len(used)) + "|")
-    for r in PLAN:
-        b = row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, nt)
-        if b == 0:
-            continue
-        pol = [mode_policy(m, r.name) for m in used]
-        out.append(f"| {r.name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
-                   + " | ".join(pol) + " |")
-    full = layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, nt)
-    out.append(f"saved per kept layer {full / 2**20:.1f} MiB; kept on the GPU after the forward "
-               f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
-    out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")
-    if plan.cost:
-        r = plan.rates
-        out.append(f"predicted cost over keeping everything: {plan.cost * 1e3:.1f} ms a step (rebuild GEMMs, "
-                   f"copies not hidden), priced at D2H {r.d2h / 1e9:.1f} GB/s, H2D {r.h2d / 1e9:.1f} GB/s, "
-                   f"GEMM {r.flops / 1e12:.0f} TFLOP/s{' (defaults)' if r == DEFAULT_RATES else ''}")
-    return "\n".join(out)

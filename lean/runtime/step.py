@@ -5,7 +5,7 @@ backward function and what the activation plan (lean/runtime/plan.py) says to sa
 pops the records in reverse. Nothing here reads back from the device: the loss stays a device
 tensor, and the target count is a host int from the batch descriptor.
 
-With a plan (plan=, from plan.plan_step / plan_for), each layer runs in its mode, and the two
+With a plan (plan=, from planner.plan_step / plan_for), each layer runs in its mode, and the two
 loops show where it happens:
     keep       the tape holds the layer's Saved tuple (the default, plan=None)
     recompute  the tape holds Kept(x, xa): the layer input and the LoRA xa rows; backward reruns
@@ -139,7 +139,7 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     as HF computes it); for gradient accumulation pass 1 / (targets over the whole step). It may
     be a (1,) fp32 device tensor, read on the device (a captured graph's per-step value).
     Returns (loss_sum, n_targets): loss_sum a (1,) fp32 device tensor, n_targets a host int.
-    plan: the activation plan (plan.plan_for); None keeps every layer's activations.
+    plan: the activation plan (planner.plan_for); None keeps every layer's activations.
     """
     if grad_scale is None:
         grad_scale = 1.0 / max(batch.n_targets, 1)

@@ -62,7 +62,7 @@ from .lora import LoRA
 from .observe import METRICS, Metrics, Progress, sample
 from .graph import StepGraph
 from .optim import AdamW
-from .plan import format_plan, plan_for
+from .planner import format_plan, plan_for
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
 

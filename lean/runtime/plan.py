@@ -190,6 +190,13 @@ def layer_bytes(cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
     return sum(row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets) for r in PLAN)
 
 
+def mode_bytes(cfg, n_tokens, act_bytes, policy, lora_rank=0, n_lora_targets=0):
+    """mode -> bytes of one layer's rows whose policy in that mode is `policy` (keep: what a finished
+    layer holds on the GPU; offload: what it sends to the host)."""
+    rows = [(r.name, row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets)) for r in PLAN]
+    return {m: sum(b for name, b in rows if mode_policy(m, name) == policy) for m in MODES}
+
+
 def _proj_dims(cfg, t):
     """(in, out) of LoRA target projection t."""
     C, F, Oq, Okv = cfg.hidden, cfg.intermediate, cfg.q_dim, cfg.kv_dim
@@ -286,11 +293,11 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
     rb = lambda r: row_bytes(r, cfg, N, act_bytes, lora_rank, nt)  # noqa: E731
     grads = {r.name: rb(r) for r in GRADS}
     rows = {r.name: rb(r) for r in PLAN + FORWARD_EXTRA}
-    xb, upb, xab = rows["x"], rows["up"], rows["xa"]  # xb: one (N, C) activation
+    xb, xab = rows["x"], rows["xa"]  # xb: one (N, C) activation
     rows.update({"n1": xb, "n2": xb, "a": xb}, **{"xa:" + t: xab // max(nt, 1) for t in lora_targets})
     full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
-    holds = {KEEP: full, RECOMPUTE: xb + xab, OFFLOAD: xab, OFFLOAD_UP: xab}  # a finished layer, on the GPU
-    sent = {KEEP: 0, RECOMPUTE: 0, OFFLOAD: xb, OFFLOAD_UP: xb + upb}  # its rows on the host (and in flight)
+    holds = mode_bytes(cfg, N, act_bytes, KEEP, lora_rank, nt)  # a finished layer, on the GPU
+    sent = mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, nt)  # its rows on the host (and in flight)
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
                    for part in ("all", "dx", "dA", "dyb")} for t in lora_targets}
     best = [0, "nothing allocated"]
@@ -356,8 +363,7 @@ def plan_cost(cfg, modes, n_tokens, act_bytes, rates):
     fwd = LAYER_OVER_GEMM * (attn + gate + up + down) / rates.flops  # a layer's forward; its backward's dx alike
     rebuild = {KEEP: 0.0, RECOMPUTE: (attn + gate + up) / rates.flops, OFFLOAD: (attn + gate + up) / rates.flops,
                OFFLOAD_UP: (attn + gate) / rates.flops}
-    xb, upb = n_tokens * cfg.hidden * act_bytes, n_tokens * cfg.intermediate * act_bytes
-    sent = {KEEP: 0, RECOMPUTE: 0, OFFLOAD: xb, OFFLOAD_UP: xb + upb}
+    sent = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD)  # x and up: the LoRA rank plays no part
     cost = 0.0
     for li, mode in enumerate(modes):
         cost += rebuild[mode]
@@ -393,9 +399,8 @@ class Plan:
         return tuple(li for li, m in enumerate(self.modes) if m in OFFLOADED)
 
     def _bytes(self, policy):
-        nt = len(self.lora_targets)
-        rows = {r.name: row_bytes(r, self.cfg, self.n_tokens, self.act_bytes, self.lora_rank, nt) for r in PLAN}
-        return sum(b for m in self.modes for name, b in rows.items() if mode_policy(m, name) == policy)
+        per = mode_bytes(self.cfg, self.n_tokens, self.act_bytes, policy, self.lora_rank, len(self.lora_targets))
+        return sum(per[m] for m in self.modes)
 
     @property
     def kept_bytes(self):

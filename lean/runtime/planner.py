@@ -21,7 +21,7 @@ import os
 from .lora import TARGETS
 from .plan import (
     DEFAULT_RATES, GiB, KEEP, MODES, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError, layer_bytes,
-    make_plan, mode_policy, plan_cost, row_bytes,
+    make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
 )
 
 
@@ -53,11 +53,10 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     # A plan can never peak below its persistent bytes plus what its finished layers hold: those
     # that cannot fit by that bound are dropped unwalked.
     nt = len(lora_targets) if lora_r else 0
-    rows = {r.name: row_bytes(r, cfg, n_tokens, act_bytes, lora_r, nt) for r in PLAN}
-    hold = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == KEEP) for m in MODES}
-    host = {m: sum(b for name, b in rows.items() if mode_policy(m, name) == OFFLOAD) for m in MODES}
+    hold = mode_bytes(cfg, n_tokens, act_bytes, KEEP, lora_r, nt)
+    host = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD, lora_r, nt)
+    xb, upb = host[OFFLOAD], host[OFFLOAD_UP] - host[OFFLOAD]  # one (N, C) and one (N, F) reload buffer
     fixed = keep.memory.peak - keep.memory.activations
-    xb, upb = rows["x"], rows["up"]
     priced = []
     for u, o, r in candidates(L):
         modes = ordered_modes(L, u, o, r)

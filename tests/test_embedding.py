@@ -39,6 +39,26 @@ def test_fwd(dtype, N, C, V, id_dtype, strided):
             "wrote outside the view"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fwd_from_pinned_host_table_gpu(dtype):
+    """A table in pinned host memory (the planner's place for an untied table under a VRAM budget):
+    the kernel reads its rows over PCIe; the same bits as a device table, ids out of range too."""
+    g = fresh_generator("cuda")
+    V, C, N = 32003, 4099, 8191
+    table = randn(V, C, g=g, dtype=dtype, device="cuda")            # (V, C) on the GPU
+    host = torch.empty(V, C, dtype=dtype, pin_memory=True)
+    host.copy_(table)
+    ids = torch.randint(-3, V + 3, (N,), generator=g, device="cuda").to(torch.int32)
+    out, ref = torch.empty(N, C, device="cuda", dtype=dtype), torch.empty(N, C, device="cuda", dtype=dtype)
+    poison(out)
+    embedding_fwd(out, ids, host)
+    embedding_fwd(ref, ids, table)
+    _assert_equal(out, ref)
+    with pytest.raises(ValueError, match=r"table: expected it on out's device \(cuda:0\) .* \(not pinned\)"):
+        embedding_fwd(out, ids, host.clone())                       # pageable host memory: refused
+
+
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_out_of_range_ids_write_zeros(id_dtype):
     """ids outside [0, V) read nothing and give zero rows; the rows around them are intact."""
@@ -71,3 +91,5 @@ def test_rejects_bad_arguments():
         embedding_fwd(out[:2], torch.arange(4, device=DEVICE)[::2], table)
     with pytest.raises(ValueError, match="ids: expected device"):
         embedding_fwd(out, ids.to("meta"), table)
+    with pytest.raises(ValueError, match="table: expected it on out's device"):
+        embedding_fwd(out, ids, table.to("meta"))

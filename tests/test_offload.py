@@ -18,8 +18,8 @@ from lean.models.config import config_from_hf
 from lean.models.weights import empty_model
 from lean.runtime import offload
 from lean.runtime.plan import (
-    DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates, layer_bytes,
-    make_plan, plan_cost, row_bytes,
+    DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates,
+    embed_gather_cost, layer_bytes, make_plan, plan_cost, row_bytes,
 )
 from lean.runtime.planner import candidates, format_plan, ordered_modes, plan_for, plan_step
 from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
@@ -226,6 +226,42 @@ def test_planner_picks_the_cheapest_plan_that_fits(config, n_layers):
     assert plan.host_bytes <= limit and plan.memory.peak + SLACK <= budget
 
 
+def test_planner_prices_an_untied_embedding_table_off_the_gpu():
+    """Qwen3-8B shapes (untied), fewer layers: with embed_bytes the planner may move the table to
+    pinned host memory; every candidate of both kinds is walked, and no cheaper one fits. A budget
+    that all-keep fits leaves the table on the GPU; at 17.5 GiB the full model moves it."""
+    cfg = config_from_hf(QWEN3_8B | {"num_hidden_layers": 10})
+    L, N, w = cfg.n_layers, 8192, _weights_bytes(cfg)
+    table = cfg.vocab * cfg.hidden * 2
+    gen = fresh_generator("cpu")
+    rates = Rates(*(r * (0.5 + float(u)) for r, u in zip(DEFAULT_RATES, torch.rand(3, generator=gen))))
+    gather = embed_gather_cost(cfg, N, 2, rates)
+    assert gather == N * cfg.hidden * 2 / rates.h2d
+    every = [make_plan(cfg, N, ordered_modes(L, *c), lora_rank=16, weights_bytes=w - table * eh, rates=rates,
+                       embed_host=eh) for c in candidates(L) for eh in (False, True)]
+    keep = every[0]
+    assert keep.modes == (K,) * L and not keep.embed_host
+    assert not plan_step(cfg, N, 16, keep.memory.peak + SLACK, w, rates=rates, embed_bytes=table).embed_host
+    least = min(p.memory.peak for p in every)
+    moved = 0
+    for frac in torch.rand(6, generator=gen).tolist():
+        budget = int(least + SLACK + frac * (keep.memory.peak - least))
+        plan = plan_step(cfg, N, 16, budget, w, rates=rates, embed_bytes=table)
+        assert plan.memory.peak + SLACK <= budget, format_plan(plan)
+        assert plan.memory.weights == w - table * plan.embed_host
+        assert plan.cost == pytest.approx(plan_cost(cfg, plan.modes, N, 2, rates) + gather * plan.embed_host, rel=1e-12)
+        cheaper = [(p.modes, p.embed_host) for p in every if p.cost < plan.cost - 1e-12 and p.memory.peak + SLACK <= budget]
+        assert not cheaper, f"{cheaper[0]} fits {budget} B and costs less than {plan.modes}, {plan.embed_host}"
+        moved += plan.embed_host
+    assert moved, "no budget moved the table"
+    full = config_from_hf(QWEN3_8B)
+    wf = _weights_bytes(full)
+    plan = plan_step(full, N, 16, int(17.5 * GiB), wf, embed_bytes=table)
+    stay = plan_step(full, N, 16, int(17.5 * GiB), wf)
+    assert plan.embed_host and plan.cost < stay.cost and plan.memory.weights == wf - table
+    assert "embedding table: pinned host memory (1.16 GiB off the GPU" in format_plan(plan)
+
+
 def test_cost_model_prefers_offload_up_only_where_the_link_hides_it():
     """Qwen3-8B shapes: up's copy (x + up, 256 MiB) hides under a layer's forward at H100 rates,
     so offload_up costs less than offload; with a link 10x slower it costs more."""
@@ -334,6 +370,9 @@ def test_measured_peak_within_budget_and_prediction_gpu(config, n_layers):
     plan = plan_for(model, lora, 8192, budget)
     print(format_plan(plan))
     assert any(m != K for m in plan.modes)
+    untied = not model.config.tie_embeddings  # Qwen3-8B: the table goes to pinned host memory
+    assert plan.embed_host == untied and model.embed.is_cuda == (not untied)
+    assert not untied or (model.embed.is_pinned() and plan.memory.weights == keep.memory.weights - model.embed.nbytes)
     r = plan.rates  # measured by plan_for on the GPU (offload.measure_rates)
     assert r != DEFAULT_RATES and 1e9 < r.d2h < 1e12 and 1e9 < r.h2d < 1e12 and 1e12 < r.flops < 1e16, r
     _step(model, lora, batch, plan, opt)  # warm-up: compiles, builds the scheduler and RoPE tables

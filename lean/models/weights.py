@@ -102,6 +102,22 @@ def empty_model(cfg: ModelConfig, dtype, device, path="") -> Model:
     )
 
 
+def embed_to_host(model: Model):
+    """Move an untied embedding table to pinned host memory, freeing V * C elements of GPU memory
+    (Qwen3-8B: 1.16 GiB); the gather then reads only the batch's rows over PCIe (kernels/embedding.py).
+    What runtime/planner.plan_for does when a VRAM budget needs the room. A tied table is also the
+    lm_head, which the loss reads whole, twice a step: it stays. Returns the bytes freed."""
+    if model.embed is model.lm_head:
+        raise ValueError("embed_to_host: the embedding is tied to the lm_head, which stays on the GPU")
+    if model.embed.device.type != "cuda":
+        return 0
+    host = torch.empty(model.embed.shape, dtype=model.embed.dtype, pin_memory=True)  # (V, C)
+    host.copy_(model.embed)  # sync: set-up, once, before the first step
+    freed = model.embed.numel() * model.embed.element_size()
+    model.embed = host
+    return freed
+
+
 def _prod(shape):
     n = 1
     for s in shape:

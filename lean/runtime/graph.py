@@ -57,9 +57,9 @@ def _check_setup(model, lora, opt, budget, max_docs):
         raise StepGraphError("StepGraph: opt updates another LoRA than the one given: build it as AdamW(lora)")
     if not (isinstance(budget, int) and budget >= 1 and isinstance(max_docs, int) and max_docs >= 1):
         raise StepGraphError(f"StepGraph: budget and max_docs must be positive ints, got {budget!r}, {max_docs!r}")
-    if not (torch.cuda.is_available() and lora.params.is_cuda and model.embed.is_cuda):
+    if not (torch.cuda.is_available() and lora.params.is_cuda and model.device.type == "cuda"):
         raise StepGraphError(f"StepGraph captures a CUDA graph: the model and LoRA must be on a CUDA device, "
-                             f"got {model.embed.device} and {lora.params.device} (use the eager step on the CPU)")
+                             f"got {model.device} and {lora.params.device} (use the eager step on the CPU)")
 
 
 def _static_batch(flat, T, D):

@@ -178,7 +178,7 @@ def measure_rates(model, n_tokens, repeats=9):
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
     w = model.layers[0].gate  # (F, C)
-    x = model.embed[:N]  # (N, C): real rows, no zeros
+    x = model.lm_head[:N]  # (N, C): real rows, no zeros (on the GPU: an untied embed may be on the host)
 
     def timed(fn):
         fn()  # warm-up (compiles the GEMM)

@@ -388,6 +388,7 @@ class Plan:
     budget_bytes: Optional[int] = None
     cost: float = 0.0  # predicted seconds over an all-keep step (plan_cost)
     rates: Rates = DEFAULT_RATES  # what the cost was priced with
+    embed_host: bool = False  # the (untied) embedding table lives in pinned host memory
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -413,9 +414,16 @@ class Plan:
         return self._bytes(OFFLOAD)
 
 
+def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
+    """Seconds a step's embedding gather takes from a table in pinned host memory: its N rows over
+    the link (it runs before layer 0, under no compute)."""
+    return n_tokens * cfg.hidden * act_bytes / rates.h2d
+
+
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
-              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES):
-    """The plan with these per-layer modes, its predicted memory and cost."""
+              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False):
+    """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
+    tensors on the GPU (without the embedding table when embed_host)."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -428,4 +436,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
                  constant_bytes(cfg, n_tokens), reload, act)
     cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
-    return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates)
+    if embed_host:
+        cost += embed_gather_cost(cfg, n_tokens, act_bytes, rates)
+    return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
+                bool(embed_host))

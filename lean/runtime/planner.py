@@ -17,11 +17,13 @@ walked; pinned host memory held to its limit; Llama-3.2-3B fits 8 GiB) and tests
 (lean-train --vram-budget prints the plan and keeps the losses).
 """
 import os
+from dataclasses import replace
 
+from ..models.weights import embed_to_host
 from .lora import TARGETS
 from .plan import (
-    DEFAULT_RATES, GiB, KEEP, MODES, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError, layer_bytes,
-    make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
+    DEFAULT_RATES, GiB, KEEP, MODES, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError, embed_gather_cost,
+    layer_bytes, make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
 )
 
 
@@ -37,41 +39,47 @@ def candidates(L):
 
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
-              optimizer=True, rates=None, host_budget_bytes=None):
+              optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0):
     """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
     budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
-    budget_bytes is None or it fits. Raises PlanError when even offloading every layer's input
-    and recomputing the rest does not fit."""
+    budget_bytes is None or it fits. embed_bytes: an untied embedding table (part of weights_bytes)
+    that may move to pinned host memory (plan.embed_host; its gather priced by embed_gather_cost);
+    0: it stays. Raises PlanError when even offloading every layer's input and recomputing the rest
+    does not fit."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
-    kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, weights_bytes=weights_bytes,
-              optimizer=optimizer, budget_bytes=budget_bytes, rates=rates)
+    kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
+              budget_bytes=budget_bytes, rates=rates)
+    on_gpu = lambda eh: dict(weights_bytes=weights_bytes - (embed_bytes if eh else 0), embed_host=eh)  # noqa: E731
     fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
-    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw)
+    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw, **on_gpu(False))
     if budget_bytes is None or fits(keep):
         return keep
-    # Price every ordered plan (arithmetic, no walk), then walk them cheapest first until one fits.
-    # A plan can never peak below its persistent bytes plus what its finished layers hold: those
-    # that cannot fit by that bound are dropped unwalked.
+    # Price every ordered plan, with the embedding table on the GPU or not (arithmetic, no walk),
+    # then walk them cheapest first until one fits. A plan can never peak below its persistent
+    # bytes plus what its finished layers hold: those that cannot fit by that bound are dropped unwalked.
     nt = len(lora_targets) if lora_r else 0
     hold = mode_bytes(cfg, n_tokens, act_bytes, KEEP, lora_r, nt)
     host = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD, lora_r, nt)
     xb, upb = host[OFFLOAD], host[OFFLOAD_UP] - host[OFFLOAD]  # one (N, C) and one (N, F) reload buffer
-    fixed = keep.memory.peak - keep.memory.activations
     priced = []
-    for u, o, r in candidates(L):
-        modes = ordered_modes(L, u, o, r)
-        host_bytes = sum(host[m] for m in modes)
-        if host_budget_bytes is not None and host_bytes > host_budget_bytes:
-            continue
-        bound = fixed + sum(hold[m] for m in modes) + 2 * (xb * (u + o > 0) + upb * (u > 0))
-        if bound + SLACK > budget_bytes:
-            continue
-        priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates), host_bytes, modes))
-    for _, _, modes in sorted(priced):
-        plan = make_plan(cfg, n_tokens, modes, **kw)
+    for eh in (False, True) if embed_bytes else (False,):
+        moved = embed_bytes if eh else 0
+        fixed = keep.memory.peak - keep.memory.activations - moved
+        gather = embed_gather_cost(cfg, n_tokens, act_bytes, rates) if eh else 0.0
+        for u, o, r in candidates(L):
+            modes = ordered_modes(L, u, o, r)
+            host_bytes = sum(host[m] for m in modes) + moved
+            if host_budget_bytes is not None and host_bytes > host_budget_bytes:
+                continue
+            bound = fixed + sum(hold[m] for m in modes) + 2 * (xb * (u + o > 0) + upb * (u > 0))
+            if bound + SLACK > budget_bytes:
+                continue
+            priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather, host_bytes, eh, modes))
+    for _, _, eh, modes in sorted(priced):
+        plan = make_plan(cfg, n_tokens, modes, **kw, **on_gpu(eh))
         if fits(plan):
             return plan
-    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw)
+    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw, **on_gpu(bool(embed_bytes)))
     host_note = "" if host_budget_bytes is None else (
         f" (pinned host memory allowed: {host_budget_bytes / GiB:.2f} GiB; offloading every input takes "
         f"{least.host_bytes / GiB:.2f})")
@@ -92,22 +100,35 @@ def host_memory_bytes():
 
 def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
-    from the model's tensors; pinned host memory is held to half of this machine's memory; rates
-    price the candidates (None: measured here by offload.measure_rates when a budget is given on a
-    GPU, a setup-time sync; DEFAULT_RATES on a CPU)."""
-    if rates is None and budget_bytes is not None and model.device.type == "cuda":
+    from the model's tensors on the GPU; pinned host memory is held to half of this machine's memory;
+    rates price the candidates (None: measured here by offload.measure_rates when a budget is given
+    on a GPU, a setup-time sync; DEFAULT_RATES on a CPU). When the plan says so, this moves the
+    untied embedding table to pinned host memory (models/weights.embed_to_host), for good."""
+    on_gpu = model.device.type == "cuda"
+    if rates is None and budget_bytes is not None and on_gpu:
         from .offload import measure_rates
         rates = measure_rates(model, n_tokens)
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [layer.buf for layer in model.layers]:
-        if t.data_ptr() not in seen:
+        if t.data_ptr() not in seen and t.device.type == model.device.type:
             seen.add(t.data_ptr())
             weights += t.numel() * t.element_size()
+    untied = model.embed is not model.lm_head
+    table = model.embed.numel() * model.embed.element_size()
+    moved = on_gpu and untied and model.embed.device.type == "cpu"  # by an earlier plan_for
+    movable = on_gpu and untied and not moved and budget_bytes is not None
     r, targets = (lora.r, lora.targets) if lora is not None else (0, ())
     host = host_memory_bytes()
-    return plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
+    plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
-                     host_budget_bytes=host // 2 if host else None)
+                     host_budget_bytes=host // 2 - (table if moved else 0) if host else None,
+                     embed_bytes=table if movable else 0)
+    if moved:
+        plan = replace(plan, embed_host=True,
+                       cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))
+    elif plan.embed_host:
+        embed_to_host(model)
+    return plan
 
 
 def _gib(b):
@@ -149,6 +170,10 @@ def format_plan(plan):
         out.append(f"| {r.name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
                    + " | ".join(pol) + " |")
     full = layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, nt)
+    if plan.embed_host:
+        table = cfg.vocab * cfg.hidden * plan.act_bytes
+        out.append(f"embedding table: pinned host memory ({_gib(table)} off the GPU; the gather reads the batch's "
+                   f"rows over the link, {N * cfg.hidden * plan.act_bytes / 2**20:.0f} MiB a step)")
     out.append(f"saved per kept layer {full / 2**20:.1f} MiB; kept on the GPU after the forward "
                f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
     out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")

@@ -266,6 +266,28 @@ def test_lora_linear_rejects_bad_arguments():
         linear_bwd(torch.zeros(N, K + 1, device=DEVICE), dy, w)
 
 
+@pytest.mark.parametrize("R,n", [(16, 3), (8, 2), pytest.param(16, 3, marks=pytest.mark.gpu, id="gpu-real")])
+def test_shared_deferred_da_equals_one_at_a_time(R, n, request):
+    """q/k/v (gate/up) share their input: lora_linear_bwd_da with more=... sums every da from one
+    read of x, each the bits it gets alone (dropout 0; with dropout their masks differ: refused)."""
+    g = fresh_generator()
+    gpu = "gpu-real" in request.node.name
+    N, K = (8192, 4096) if gpu else (67, 131)
+    dt = torch.bfloat16 if gpu else torch.float32
+    x = randn(N, K, g=g, dtype=dt)
+    dybs = [randn(N, dyb_width(R), g=g, dtype=dt) for _ in range(n)]   # (N, RP) each; padded columns used as is
+    shared = [randn(R, K, g=g) for _ in range(n)]                         # da accumulate: start non-zero
+    alone = [d.clone() for d in shared]
+    lora_linear_bwd_da(shared[0], dybs[0], x, 0.5, more=list(zip(shared[1:], dybs[1:])))
+    for i, (da, dyb) in enumerate(zip(alone, dybs)):
+        lora_linear_bwd_da(da, dyb, x, 0.5)
+        assert torch.equal(shared[i], da), f"da[{i}] differs by {(shared[i] - da).abs().max().item():.3e}"
+    with pytest.raises(ValueError, match="only without dropout"):
+        lora_linear_bwd_da(shared[0], dybs[0], x, 0.5, dropout=0.1, more=[(shared[1], dybs[1])])
+    with pytest.raises(ValueError, match=r"dyb\[1\]: expected shape"):
+        lora_linear_bwd_da(shared[0], dybs[0], x, 0.5, more=[(shared[1], dybs[1][:-1])])
+
+
 @pytest.mark.parametrize("p,R", [(0.0, 16), (0.1, 8), pytest.param(0.0, 16, marks=pytest.mark.gpu, id="gpu-real")])
 def test_deferred_da_equals_the_whole_backward(p, R, request):
     """x=None + lora_linear_bwd_da (dense.py's backward: the layer did not keep x) gives dx, da, db

@@ -6,7 +6,7 @@ several tiles as on the GPU."""
 import pytest
 import torch
 
-from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa
+from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa, lora_xa_shared
 from tests.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.test_lora_linear import _problem
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -55,6 +55,28 @@ def test_lora_xa_dyb(N, K, R, dtype):
     lora_dyb(dyb, x, b)
     _check_all([("xa", xa, matmul_ref(_up(x), _up(a).t()), matmul_ref(x, a.t())),
                 ("dyb", dyb, matmul_ref(_up(x), _up(b)), matmul_ref(x, b))])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,R,n", [(37, 96, 8, 2), (131, 160, 16, 3), (67, 257, 5, 3),
+                                     pytest.param(8192, 4096, 16, 3, marks=pytest.mark.gpu)])
+def test_lora_xa_shared_equals_one_at_a_time(N, K, R, n, dtype):
+    """q/k/v (gate/up) share their input: lora_xa_shared's xa from one read of x are the bits
+    lora_xa gives each alone."""
+    g = fresh_generator()
+    x = randn(N, K, g=g, dtype=dtype)
+    as_ = [randn(R, K, g=g, dtype=dtype, scale=K ** -0.5) for _ in range(n)]
+    shared = [torch.empty(N, R, device=DEVICE, dtype=dtype) for _ in range(n)]      # (N, R) each
+    alone = [torch.empty(N, R, device=DEVICE, dtype=dtype) for _ in range(n)]
+    poison(*shared, *alone)
+    lora_xa_shared(shared, x, as_)
+    for i, (xa, a) in enumerate(zip(alone, as_)):
+        lora_xa(xa, x, a)
+        assert torch.equal(shared[i], xa), f"xa[{i}] differs by {(shared[i] - xa).abs().max().item():.3e}"
+    with pytest.raises(ValueError, match="1 to 3"):
+        lora_xa_shared([shared[0]] * 4, x, [as_[0]] * 4)
+    with pytest.raises(ValueError, match=r"a\[1\]: expected shape"):
+        lora_xa_shared(shared[:2], x, [as_[0], as_[1][:, :-1]])
 
 
 CASES = [  # (N, K, O, R, bias): odd N and O, K with 16-byte rows (TMA); rank 8 padded to 16 for dyb

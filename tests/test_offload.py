@@ -144,7 +144,7 @@ def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
             loss, _ = lean.forward_backward(model, lora, batch, seed=7, plan=p)
         results.append((loss.clone(), lora.grads.clone(), lb.peak))
         predicted = make_plan(cfg, N, p.modes if p else (K,) * cfg.n_layers, lora_rank=r,
-                              lora_targets=lora.targets, act_bytes=4)
+                              lora_targets=lora.targets, act_bytes=4, lora_dropout=dropout)
         assert lb.peak == predicted.memory.activations, (
             f"{p and p.modes}: allocated peak {lb.peak} B != predicted {predicted.memory.activations} B "
             f"(at {predicted.peak_at}): plan.py's walk and the step disagree")

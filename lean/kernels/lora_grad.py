@@ -43,33 +43,46 @@ def _keep(seed, idx, p):
 
 @triton.jit
 def _lora_grad_partial_kernel(
-    part_ptr,                               # (S, P*R) fp32 out, element (i, r) at i*stride_pi + r*stride_pr
-    u_ptr, v_ptr,                           # u (N, P) row stride stride_u; v (N, R) contiguous
+    part_ptr, part2_ptr, part3_ptr,         # (S, P*R) fp32 out each, element (i, r) at i*stride_pi + r*stride_pr
+    u_ptr, v_ptr, v2_ptr, v3_ptr,           # u (N, P) row stride stride_u; v (N, R) contiguous each
     N, P, R, stride_u, stride_pi, stride_pr, chunk, seed, p,
     DROPOUT: tl.constexpr,                  # u is x: zero the elements the dropout mask drops
+    NV: tl.constexpr,                       # 1..3 (v, part) pairs sharing u (dropout 0): one read of u
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """part[s] = u[tokens of chunk s]^T @ v[same tokens]: da (u = x, v = dy B) and db (u = dy, v = xa)."""
+    """part[s] = u[tokens of chunk s]^T @ v[same tokens]: da (u = x, v = dy B) and db (u = dy, v = xa).
+    With NV > 1, part2 (part3) from v2 (v3) alike, each the bits it would have alone."""
     s = tl.program_id(1)
     ri = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     rt = s * chunk + tl.arange(0, BLOCK_T)
     rr = tl.arange(0, BLOCK_R)
     i_ok, r_ok = ri < P, rr < R
     ut_ptrs = u_ptr + rt.to(tl.int64)[None, :] * stride_u + ri[:, None]    # u^T tile (BLOCK_P, BLOCK_T)
-    v_ptrs = v_ptr + rt.to(tl.int64)[:, None] * R + rr[None, :]            # v tile (BLOCK_T, BLOCK_R)
+    v_offs = rt.to(tl.int64)[:, None] * R + rr[None, :]                    # v tile (BLOCK_T, BLOCK_R)
     acc = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
     for t0 in range(0, chunk, BLOCK_T):
         t_ok = rt + t0 < N
         ut = tl.load(ut_ptrs, mask=i_ok[:, None] & t_ok[None, :], other=0.0)
         if DROPOUT:
             idx = (rt + t0).to(tl.int64)[None, :] * P + ri[:, None]
             ut = tl.where(_keep(seed, idx, p), ut, tl.zeros_like(ut))
-        vt = tl.load(v_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
+        v_mask = t_ok[:, None] & r_ok[None, :]
+        acc = tl.dot(ut, tl.load(v_ptr + v_offs, mask=v_mask, other=0.0), acc, input_precision=PRECISION)
+        if NV > 1:
+            acc2 = tl.dot(ut, tl.load(v2_ptr + v_offs, mask=v_mask, other=0.0), acc2, input_precision=PRECISION)
+        if NV > 2:
+            acc3 = tl.dot(ut, tl.load(v3_ptr + v_offs, mask=v_mask, other=0.0), acc3, input_precision=PRECISION)
         ut_ptrs += BLOCK_T * stride_u
-        v_ptrs += BLOCK_T * R
-    part_ptrs = part_ptr + s.to(tl.int64) * P * R + ri[:, None] * stride_pi + rr[None, :] * stride_pr
-    tl.store(part_ptrs, acc, mask=i_ok[:, None] & r_ok[None, :])
+        v_offs += BLOCK_T * R
+    part_offs = s.to(tl.int64) * P * R + ri[:, None] * stride_pi + rr[None, :] * stride_pr
+    part_mask = i_ok[:, None] & r_ok[None, :]
+    tl.store(part_ptr + part_offs, acc, mask=part_mask)
+    if NV > 1:
+        tl.store(part2_ptr + part_offs, acc2, mask=part_mask)
+    if NV > 2:
+        tl.store(part3_ptr + part_offs, acc3, mask=part_mask)
 
 
 @triton.jit
@@ -105,12 +118,14 @@ def _block_r(R):
     return max(16, triton.next_power_of_2(R))
 
 
-def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False):
+def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False, more=()):
     """g += factor * u^T v, u (N, P), v (N, R'); g is (R, P) if transposed, else (P, R) with
     R = R'. Transposed, v may carry zero padding columns (R' > R): their partial rows come last
-    and are left out of the sum. big: a model-sized problem under the interpreter."""
+    and are left out of the sum. big: a model-sized problem under the interpreter. more: up to
+    two further (g, v) pairs of the same shapes sharing u (dropout 0): one read of u for all."""
     N, P = u.shape
     R = v.shape[1]
+    pairs = [(g, v)] + list(more)
     BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
     if big:  # the interpreter runs programs one by one: one chunk, one feature block up to 2048 wide
         BP = min(triton.next_power_of_2(P), 2048)
@@ -119,15 +134,18 @@ def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False):
     # enough token chunks to give every SM two programs; the chunking depends on shapes only
     chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
     S = triton.cdiv(N, chunk)
-    part = torch.empty((S, P * R), device=u.device, dtype=torch.float32)   # (S, P*R)
+    parts = [torch.empty((S, P * R), device=u.device, dtype=torch.float32) for _ in pairs]  # (S, P*R) each
+    vs = [w for _, w in pairs]
     _lora_grad_partial_kernel[(p_blocks, S)](
-        part, u, v, N, P, R, u.stride(0), 1 if transposed else R, P if transposed else 1,
+        *(parts + parts[:1] * (3 - len(parts))), u, *(vs + vs[:1] * (3 - len(vs))),  # unused slots: never touched
+        N, P, R, u.stride(0), 1 if transposed else R, P if transposed else 1,
         chunk, seed, float(dropout),
-        DROPOUT=dropout > 0.0, BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
+        DROPOUT=dropout > 0.0, NV=len(pairs), BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
         num_warps=warps, num_stages=stages)
     block = 2**14 if big else _REDUCE
     block_s = 1
     if not interpreting():  # GPU: all partials of a column in flight at once (32 KB a program at most)
         block, block_s = _REDUCE_GPU, min(_REDUCE_GPU_S, triton.next_power_of_2(S))
-    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), block),)](
-        g, part, S, g.numel(), P * R, float(factor), BLOCK=block, BLOCK_S=block_s)
+    for (gi, _), part in zip(pairs, parts):
+        _lora_grad_reduce_kernel[(triton.cdiv(gi.numel(), block),)](
+            gi, part, S, gi.numel(), P * R, float(factor), BLOCK=block, BLOCK_S=block_s)

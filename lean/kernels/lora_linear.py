@@ -277,6 +277,13 @@ def dyb_width(R):
     return _block_r(R)
 
 
+def fwd_prepass(x, w, a, dropout=0.0):
+    """True when lora_linear_fwd computes xa in a pre-pass of its own (the Hopper path, dropout 0):
+    projections that share x may then get their xa from one read of it (lora_linear_tma.lora_xa_shared)
+    and pass xa_ready."""
+    return dropout == 0.0 and tma_ok(x, w, a, macs=x.shape[0] * x.shape[1] * w.shape[0])
+
+
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):
     """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written.
     xa_ready: xa already holds drop(x) A^T (a layer rebuilt in backward): the paths that compute
@@ -296,7 +303,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
         _lora_xa_kernel[(triton.cdiv(N, BM),)](
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
-    if dropout == 0.0 and tma_ok(x, w, a, macs=N * K * O):
+    if fwd_prepass(x, w, a, dropout):
         _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
@@ -362,19 +369,26 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False, big=big)
 
 
-def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0):
+def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0, more=()):
     """The deferred half of lora_linear_bwd: da (R, K) fp32 += scale * dyb^T drop(x), with dyb
-    the (N, dyb_width(R)) buffer lora_linear_bwd(x=None, dyb=...) wrote and x the rebuilt input."""
+    the (N, dyb_width(R)) buffer lora_linear_bwd(x=None, dyb=...) wrote and x the rebuilt input.
+    more: up to two further (da, dyb) of projections sharing x (q/k/v, gate/up; dropout 0 only:
+    their masks differ), summed from the same read of x; each da gets the bits it would alone."""
     check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
     (N, K), dev, dt = x.shape, x.device, x.dtype
-    check(da, "da", shape=(None, K), dtype=torch.float32, device=dev, contiguous=True)
-    check(dyb, "dyb", shape=(N, _block_r(da.shape[0])), dtype=dt, device=dev, contiguous=True)
+    if len(more) > 2 or (more and dropout > 0.0):
+        raise ValueError(f"lora_linear_bwd_da: at most two more (da, dyb) pairs, and only without dropout "
+                         f"(got {len(more)}, dropout {dropout})")
+    for i, (d, y) in enumerate([(da, dyb)] + list(more)):
+        check(d, f"da[{i}]", shape=(da.shape[0], K), dtype=torch.float32, device=dev, contiguous=True)
+        check(y, f"dyb[{i}]", shape=(N, _block_r(da.shape[0])), dtype=dt, device=dev, contiguous=True)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout}")
     if N == 0:
         return
     big = interpreting() and interpret_big(N, K, K)  # the interpreter's model-sized tiles; GPU: False
-    _lora_grad(da, x, dyb, scale / (1.0 - dropout), seed, dropout, _precision(dt), transposed=True, big=big)
+    _lora_grad(da, x, dyb, scale / (1.0 - dropout), seed, dropout, _precision(dt), transposed=True, big=big,
+               more=more)
 
 
 def lora_dropout_mask(mask_out, seed, p):

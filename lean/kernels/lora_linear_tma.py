@@ -51,29 +51,42 @@ from lean.kernels.gemm import FLOATS, GROUP_M, NUM_SMS, grouped_tile, interpret_
 
 @triton.jit
 def _lora_lowrank_kernel(
-    out_ptr,                                # (N, R) out, contiguous: u v rounded to out's dtype
-    u_ptr, v_ptr,                           # u (N, K) row stride stride_u; v (K, R) at k*stride_vk + r*stride_vr
+    out_ptr, out2_ptr, out3_ptr,            # (N, R) out each, contiguous: u v rounded to out's dtype
+    u_ptr, v_ptr, v2_ptr, v3_ptr,           # u (N, K) row stride stride_u; v (K, R) at k*stride_vk + r*stride_vr
     N, K, R, stride_u, stride_vk, stride_vr,
+    NV: tl.constexpr,                       # 1..3 (v, out) pairs sharing u: one read of u for all
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out = u v for a skinny v: xa = x A^T (v = a.t(), stride_vk = 1) and dyb = dy B (v = b,
-    stride_vr = 1; a unit stride is specialised by Triton, so either load vectorises)."""
+    stride_vr = 1; a unit stride is specialised by Triton, so either load vectorises). With NV > 1,
+    out2 = u v2 (and out3 = u v3) too, each the bits it would have alone (same tiles, same order)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, BLOCK_R)
     m_ok, r_ok = rm < N, rr < R
     u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * stride_u + rk[None, :]
-    v_ptrs = v_ptr + rk[:, None] * stride_vk + rr[None, :] * stride_vr   # (BLOCK_K, BLOCK_R)
+    v_offs = rk[:, None] * stride_vk + rr[None, :] * stride_vr   # (BLOCK_K, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
+        v_mask = k_ok[:, None] & r_ok[None, :]
         ut = tl.load(u_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        vt = tl.load(v_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
+        acc = tl.dot(ut, tl.load(v_ptr + v_offs, mask=v_mask, other=0.0), acc, input_precision=PRECISION)
+        if NV > 1:
+            acc2 = tl.dot(ut, tl.load(v2_ptr + v_offs, mask=v_mask, other=0.0), acc2, input_precision=PRECISION)
+        if NV > 2:
+            acc3 = tl.dot(ut, tl.load(v3_ptr + v_offs, mask=v_mask, other=0.0), acc3, input_precision=PRECISION)
         u_ptrs += BLOCK_K
-        v_ptrs += BLOCK_K * stride_vk
-    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+        v_offs += BLOCK_K * stride_vk
+    out_offs = rm.to(tl.int64)[:, None] * R + rr[None, :]
+    out_mask = m_ok[:, None] & r_ok[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if NV > 1:
+        tl.store(out2_ptr + out_offs, acc2.to(out2_ptr.dtype.element_ty), mask=out_mask)
+    if NV > 2:
+        tl.store(out3_ptr + out_offs, acc3.to(out3_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -166,9 +179,12 @@ def _n_programs(tiles):
     return min(tiles, 3 if interpreting() else NUM_SMS)
 
 
-def _lowrank(out, u, v):
-    """out (N, R) = u (N, K) v (K, R) on _lora_lowrank_kernel; v any 2-D view of a contiguous tensor."""
+def _lowrank(out, u, v, more=()):
+    """out (N, R) = u (N, K) v (K, R) on _lora_lowrank_kernel; v any 2-D view of a contiguous tensor.
+    more: up to two further (out, v) pairs of the same shapes and strides, from the same read of u."""
     (N, K), R = u.shape, v.shape[1]
+    outs, vs = [out] + [o for o, _ in more], [v] + [w for _, w in more]
+    outs, vs = outs + [out] * (3 - len(outs)), vs + [v] * (3 - len(vs))  # unused slots: never read
     if interpreting():
         BM, _, BK, warps, stages = interpret_config(N, R, K)
     else:
@@ -176,7 +192,7 @@ def _lowrank(out, u, v):
         while BM > 16 and triton.cdiv(N, BM) < NUM_SMS - NUM_SMS // 8:
             BM //= 2
     _lora_lowrank_kernel[(triton.cdiv(N, BM),)](
-        out, u, v, N, K, R, u.stride(0), v.stride(0), v.stride(1),
+        *outs, u, *vs, N, K, R, u.stride(0), v.stride(0), v.stride(1), NV=1 + len(more),
         BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=max(16, triton.next_power_of_2(R)),
         PRECISION="ieee" if u.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
 
@@ -192,6 +208,23 @@ def lora_xa(xa, x, a):
         raise ValueError(f"a: LoRA rank R={R} outside the supported 1..128")
     if N > 0:
         _lowrank(xa, x, a.t())
+
+
+def lora_xa_shared(xas, x, as_):
+    """xas[i] (N, R) = x (N, K) as_[i]^T for up to three LoRA A (R, K) of projections that share
+    their input (q/k/v, gate/up): one read of x. Each xa holds the bits lora_xa would write."""
+    if not 1 <= len(xas) == len(as_) <= 3:
+        raise ValueError(f"lora_xa_shared: 1 to 3 (xa, a) pairs, got {len(xas)} xa and {len(as_)} a")
+    check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    N, K = x.shape
+    R = as_[0].shape[0]
+    for i, (xa, a) in enumerate(zip(xas, as_)):
+        check(a, f"a[{i}]", shape=(R, K), dtype=x.dtype, device=x.device, contiguous=True)
+        check(xa, f"xa[{i}]", shape=(N, R), dtype=x.dtype, device=x.device, contiguous=True)
+    if not 1 <= R <= 128:
+        raise ValueError(f"a: LoRA rank R={R} outside the supported 1..128")
+    if N > 0:
+        _lowrank(xas[0], x, as_[0].t(), [(xa, a.t()) for xa, a in zip(xas[1:], as_[1:])])
 
 
 def lora_dyb(dyb, dy, b):

@@ -27,13 +27,20 @@ LoRA dA of the projections they feed (dA += s (dy B)^T x). Those wait: the proje
 first and leaves dy B in a small (N, R) buffer; then the backward kernel that reads the tensor's
 inputs anyway (swiglu_bwd for act, rmsnorm_bwd for n2 and n1) writes it again, the same bits, into
 the gradient buffer it has just consumed, and dA follows.
+
+Projections that share an input (q/k/v read n1, gate/up read n2) share its reads where the LoRA
+kernels would each make one: their xa pre-passes (the Hopper path, dropout 0: proj_xa_shared) and
+their waiting dA sums (dropout 0: proj_bwd_da) each run as one kernel over the input.
 """
 from typing import NamedTuple, Optional
 
 import torch
 
 from ..kernels.attention import attention_bwd, attention_fwd
-from ..kernels.lora_linear import dyb_width, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da, lora_linear_fwd
+from ..kernels.lora_linear import (
+    dyb_width, fwd_prepass, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da, lora_linear_fwd,
+)
+from ..kernels.lora_linear_tma import lora_xa_shared
 from ..kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
@@ -96,6 +103,18 @@ def proj_fwd(y, xa_out, x, w, bias, ad, t, ctx, li):
     xa_out[t] = xa
 
 
+def proj_xa_shared(xa_out, x, weights, ads, ctx):
+    """xa_out[t] for the projections t (-> weight) that share input x and would each compute their
+    xa in a pre-pass (kernels/lora_linear.fwd_prepass): one read of x for all; proj_fwd then finds
+    them ready. Nothing to do for one projection, or in a rebuild (xa kept)."""
+    todo = [t for t, w in weights.items()
+            if ads.get(t) is not None and t not in xa_out and fwd_prepass(x, w, ads[t].a_lowp, ctx.dropout)]
+    if len(todo) > 1:
+        xas = [torch.empty(x.shape[0], ads[t].a_lowp.shape[0], dtype=x.dtype, device=x.device) for t in todo]  # (N, R)
+        lora_xa_shared(xas, x, [ads[t].a_lowp for t in todo])
+        xa_out.update(zip(todo, xas))
+
+
 def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None):
     """dx (=, or += when accumulate) dy W (+ LoRA term); LoRA grads += into the flat buffer.
     x None: the input was not kept; dA waits in `waiting` (t -> dy B) for proj_bwd_da."""
@@ -111,9 +130,14 @@ def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None):
 
 
 def proj_bwd_da(waiting, x, ads, ctx, li):
-    """The waiting dA of each projection in `waiting` now that their input x is back; empties it."""
-    for t, dyb in waiting.items():
-        lora_linear_bwd_da(ads[t].da, dyb, x, ctx.lora_scale, dropout=ctx.dropout, seed=_seed(ctx, li, t))
+    """The waiting dA of each projection in `waiting` now that their input x is back; empties it.
+    Without dropout they share one read of x."""
+    if ctx.dropout == 0.0 and len(waiting) > 1:
+        (t, dyb), *more = waiting.items()
+        lora_linear_bwd_da(ads[t].da, dyb, x, ctx.lora_scale, more=[(ads[u].da, d) for u, d in more])
+    else:
+        for t, dyb in waiting.items():
+            lora_linear_bwd_da(ads[t].da, dyb, x, ctx.lora_scale, dropout=ctx.dropout, seed=_seed(ctx, li, t))
     waiting.clear()
 
 
@@ -141,6 +165,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
         x = new(N, C)
         rmsnorm_fwd(n1, rstd1, s, w.in_norm, ctx.eps, residual=d, h=x)
     q, k, v = new(N, H * D), new(N, KVH * D), new(N, KVH * D)
+    proj_xa_shared(xa, n1, {"q": w.q, "k": w.k, "v": w.v}, ads, ctx)
     proj_fwd(q, xa, n1, w.q, w.q_bias, ads.get("q"), "q", ctx, li)
     proj_fwd(k, xa, n1, w.k, w.k_bias, ads.get("k"), "k", ctx, li)
     proj_fwd(v, xa, n1, w.v, w.v_bias, ads.get("v"), "v", ctx, li)
@@ -171,6 +196,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
     del a  # dead: its memory serves the MLP (the activation plan counts on it)
     F = cfg.intermediate
     gate = new(N, F)
+    proj_xa_shared(xa, n2, {"gate": w.gate, "up": w.up}, ads, ctx)
     proj_fwd(gate, xa, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
     if up is None:
         up = new(N, F)

@@ -285,9 +285,10 @@ def forward_events(cfg, lora_targets, keep=None, first=False, rebuild=False, up_
     return ev
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0):
     """The step's activation bytes moment by moment, as step.py and dense.py allocate and free
-    them; returns (high-water bytes, the moment it happens)."""
+    them; returns (high-water bytes, the moment it happens). Without LoRA dropout the waiting dA of
+    projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist."""
     N, C, V = n_tokens, cfg.hidden, cfg.vocab
     nt = len(lora_targets)
     rb = lambda r: row_bytes(r, cfg, N, act_bytes, lora_rank, nt)  # noqa: E731
@@ -337,7 +338,8 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets):
                 forward_events(cfg, lora_targets, rebuild=True, up_given=mode == OFFLOAD_UP))
         for name, live, waiting, runs, projs in BACKWARD_MOMENTS:
             extra = sum(scratch[t]["dyb"] for t in waiting if t in scratch)
-            extra += max([scratch[t][runs] for t in projs if t in scratch], default=0)
+            sizes = [scratch[t][runs] for t in projs if t in scratch]
+            extra += sum(sizes) if runs == "dA" and lora_dropout == 0.0 else max(sizes, default=0)
             at(f"backward of layer {li} ({name})", held + base + cur + sum(grads[g] for g in live) + extra)
     return best[0], best[1]
 
@@ -421,7 +423,7 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
-              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False):
+              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
     tensors on the GPU (without the embedding table when embed_host)."""
     modes = tuple(modes)
@@ -430,7 +432,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets)
+    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),

@@ -39,7 +39,7 @@ def candidates(L):
 
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
-              optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0):
+              optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0, lora_dropout=0.0):
     """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
     budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
     budget_bytes is None or it fits. embed_bytes: an untied embedding table (part of weights_bytes)
@@ -48,7 +48,7 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     does not fit."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
-              budget_bytes=budget_bytes, rates=rates)
+              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout)
     on_gpu = lambda eh: dict(weights_bytes=weights_bytes - (embed_bytes if eh else 0), embed_host=eh)  # noqa: E731
     fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
     keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw, **on_gpu(False))
@@ -117,12 +117,12 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     table = model.embed.numel() * model.embed.element_size()
     moved = on_gpu and untied and model.embed.device.type == "cpu"  # by an earlier plan_for
     movable = on_gpu and untied and not moved and budget_bytes is not None
-    r, targets = (lora.r, lora.targets) if lora is not None else (0, ())
+    r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
     host = host_memory_bytes()
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
                      host_budget_bytes=host // 2 - (table if moved else 0) if host else None,
-                     embed_bytes=table if movable else 0)
+                     embed_bytes=table if movable else 0, lora_dropout=dropout)
     if moved:
         plan = replace(plan, embed_host=True,
                        cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))

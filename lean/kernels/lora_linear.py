@@ -351,7 +351,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     if dyb is None:
         dyb = torch.empty((N, RP), device=dev, dtype=dt)                  # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
-    if dx is not None and dropout == 0.0 and tma_ok(dy, w, b, macs=N * K * O):
+    if dx is not None and dropout == 0.0 and tma_ok(dy, w, b, dx, macs=N * K * O):
         _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
     else:
         _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](

@@ -42,7 +42,9 @@ projection (dense.layer_forward(rebuild=...)), whose outputs backward never read
 | offload    | offload | recompute | keep | recompute       | xa (one reload buffer)    | the same; copies overlap        |
 | offload_up | offload | offload   | keep | recompute       | xa (one reload buffer)    | as offload, without up's GEMM   |
 
-The planner (lean/runtime/planner.py) picks the modes; this module prices and sizes a given plan.
+The planner (lean/runtime/planner.py) picks the modes, and for an untied model whether the frozen
+embedding table lives in pinned host memory (Plan.embed_host: its weights leave the GPU's count,
+its per-step gather is priced by embed_gather_cost); this module prices and sizes a given plan.
 
 The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
 allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the

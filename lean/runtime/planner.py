@@ -8,8 +8,9 @@ keep (the backward reaches the offloaded layers last, and the reload of the high
 under the backward of the layer above it) with the rates of this machine (Rates, measured by
 offload.measure_rates): a rebuild costs its GEMM FLOPs; a copy costs nothing while it hides under
 the compute it overlaps (a layer's forward for the offload, its backward for the reload) and the
-difference when it does not. It returns the cheapest plan that fits the budget (ties: fewer
-copies, then less pinned host memory), and all keep when that fits.
+difference when it does not. Each is priced twice for an untied model: with the embedding table
+on the GPU and in pinned host memory (its gather, N rows over the link, added). It returns the
+cheapest plan that fits the budget (ties: less pinned host memory), and all keep when that fits.
 
 Errors: PlanError when no plan fits the budget (it names the smallest peak and the fixes).
 Tested: tests/test_offload.py (on real layer shapes no cheaper ordered plan fits, every candidate

@@ -95,6 +95,9 @@ def test_step_graph_refusals():
         lean.StepGraph(model, lora, lean.AdamW(lean.LoRA.init(model, r=2, alpha=4)), budget=16, max_docs=2)
     with pytest.raises(lean.StepGraphError, match="CUDA device"):
         lean.StepGraph(model, lora, lean.AdamW(lora), budget=16, max_docs=2)
+    from lean.runtime.planner import plan_for
+    with pytest.raises(lean.StepGraphError, match="plan was made for 8 tokens, the graph's budget is 16"):
+        lean.StepGraph(model, lora, lean.AdamW(lora), budget=16, max_docs=2, plan=plan_for(model, lora, 8))
 
 
 # ---- padding changes nothing; grad_scale on the device (interpreter) --------------------------------

@@ -280,3 +280,37 @@ def test_graph_steps_follow_the_eager_run_gpu(setup, monkeypatch):
         assert abs(lg[s] - le[s]) <= 0.02 * abs(le[s]), f"step {s}: graph {lg[s]} vs eager {le[s]}"
     evals = _metrics(T.Path(graph_cfg.out_dir), "eval")
     assert evals[5] < evals[0], evals
+
+
+@pytest.mark.gpu
+def test_vram_budget_replays_the_planned_step_gpu(setup, monkeypatch):
+    """--vram-budget on a GPU: the step runs under the plan from the captured CUDA graph, every
+    step, and its losses follow the eager planned run's (--no-graph) within bf16 noise."""
+    from lean.runtime.plan import SLACK
+    from lean.runtime.planner import plan_for
+
+    calls = []
+    replay = T.StepGraph.step
+
+    def counted(self, *args, **kw):
+        calls.append(self.plan)
+        return replay(self, *args, **kw)
+    monkeypatch.setattr(T.StepGraph, "step", counted)
+    kw = dict(dropout=0.0, seed=9, steps=4, lr=3e-2, targets=["q", "v", "down"])
+    probe = _cfg(setup, "budget-probe", **kw)
+    model = T.load_model(probe.model, dtype=T.torch.bfloat16, device="cuda")
+    lora = T.LoRA.init(model, r=probe.r, alpha=probe.alpha, targets=probe.targets, seed=probe.seed)
+    keep_peak = plan_for(model, lora, probe.max_tokens).memory.peak
+    budget = (keep_peak + SLACK - 1) / 2**30  # one byte short of keeping everything on the GPU
+    del model, lora
+    graph_cfg = _cfg(setup, "budget-graph", vram_budget=budget, **kw)
+    eager_cfg = _cfg(setup, "budget-eager", vram_budget=budget, graph=False, **kw)
+    T.train(graph_cfg)
+    assert len(calls) == 4 and all(p is not None for p in calls), f"replays under a plan: {calls}"
+    assert calls[0].embed_host or any(m != "keep" for m in calls[0].modes), calls[0].modes
+    T.train(eager_cfg)
+    assert len(calls) == 4, "--no-graph replayed a graph"
+    lg, le = _metrics(T.Path(graph_cfg.out_dir), "train"), _metrics(T.Path(eager_cfg.out_dir), "train")
+    assert sorted(lg) == sorted(le) == [1, 2, 3, 4]
+    for s in lg:
+        assert abs(lg[s] - le[s]) <= 0.02 * abs(le[s]), f"step {s}: graph {lg[s]} vs eager {le[s]}"

@@ -217,18 +217,7 @@ def plan_note(plan):
 def make_step_graph(lean, model, lora, opt, n_tokens, max_docs, plan=None):
     """lean.StepGraph over (n_tokens, max_docs); with a plan, the captured step runs it (recompute
     and offload capture like the eager step: lean/runtime/offload.py)."""
-    if plan is None:
-        return lean.StepGraph(model, lora, opt, n_tokens, max_docs)
-
-    class PlannedStepGraph(lean.StepGraph):
-        def _run(self):  # StepGraph._run, with the activation plan
-            self.lora.zero_grad()
-            loss, _ = lean.forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev,
-                                            seed=0, plan=plan)
-            self.opt.update()
-            return loss
-
-    return PlannedStepGraph(model, lora, opt, n_tokens, max_docs)
+    return lean.StepGraph(model, lora, opt, n_tokens, max_docs, plan=plan)
 
 
 def graph_equals_eager(lean, graph, model, lora, opt, docs, plan):

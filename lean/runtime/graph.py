@@ -1,12 +1,14 @@
 """The whole LoRA training step captured once in a CUDA graph, replayed with new batch contents.
 
     graph = lean.StepGraph(model, lora, opt, budget=8192, max_docs=64)   # warm-up + capture
+    graph = lean.StepGraph(..., plan=plan_for(model, lora, 8192, budget))  # under a VRAM budget
     for docs in batches:
         batch = graph.pack(docs)             # = lean.pack(docs, 8192, pad_to=8192, max_docs=64, device="cpu")
         loss_sum, n_targets = graph.step(batch, lr=lr_now)
 
 What is captured, once: lora.zero_grad(); forward_backward (embedding, the RoPE tables built from
-the static positions, every layer, fused lm_head + loss, the whole backward); opt.update() (AdamW
+the static positions, every layer, fused lm_head + loss, the whole backward, with the activation
+plan's offloads, reloads and rebuilds when one is given: runtime/offload.py); opt.update() (AdamW
 with gradient clipping). A replay is one launch of all of it. Shapes are fixed by the token budget
 T and the document slots D (lean.pack(..., pad_to=T, max_docs=D), see batch.py), so every kernel
 grid is the same on every step. What changes between replays is only the contents of persistent
@@ -48,7 +50,7 @@ class StepGraphError(ValueError):
     pass
 
 
-def _check_setup(model, lora, opt, budget, max_docs):
+def _check_setup(model, lora, opt, budget, max_docs, plan):
     if lora.dropout > 0:
         raise StepGraphError(f"StepGraph needs LoRA dropout 0, got {lora.dropout}: the dropout seed is a host "
                              "value baked into the captured launches (every replay would draw the same masks); "
@@ -57,6 +59,9 @@ def _check_setup(model, lora, opt, budget, max_docs):
         raise StepGraphError("StepGraph: opt updates another LoRA than the one given: build it as AdamW(lora)")
     if not (isinstance(budget, int) and budget >= 1 and isinstance(max_docs, int) and max_docs >= 1):
         raise StepGraphError(f"StepGraph: budget and max_docs must be positive ints, got {budget!r}, {max_docs!r}")
+    if plan is not None and plan.n_tokens < budget:
+        raise StepGraphError(f"StepGraph: the activation plan was made for {plan.n_tokens} tokens, the graph's "
+                             f"budget is {budget}: plan for the budget (plan_for(model, lora, {budget}, ...))")
     if not (torch.cuda.is_available() and lora.params.is_cuda and model.device.type == "cuda"):
         raise StepGraphError(f"StepGraph captures a CUDA graph: the model and LoRA must be on a CUDA device, "
                              f"got {model.device} and {lora.params.device} (use the eager step on the CPU)")
@@ -74,9 +79,9 @@ def _static_batch(flat, T, D):
 class StepGraph:
     """One captured LoRA step (see the module docstring). step(batch, lr) replays it."""
 
-    def __init__(self, model, lora, opt, budget, max_docs):
-        _check_setup(model, lora, opt, budget, max_docs)
-        self.model, self.lora, self.opt = model, lora, opt
+    def __init__(self, model, lora, opt, budget, max_docs, plan=None):
+        _check_setup(model, lora, opt, budget, max_docs, plan)
+        self.model, self.lora, self.opt, self.plan = model, lora, opt, plan
         self.budget, self.max_docs = budget, max_docs
         dev = lora.params.device
         self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
@@ -96,7 +101,8 @@ class StepGraph:
     def _run(self):
         """The step as captured. Nothing here reads a host value that changes from step to step."""
         self.lora.zero_grad()
-        loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0)
+        loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
+                                   plan=self.plan)
         self.opt.update()
         return loss
 

@@ -35,11 +35,13 @@ previous checkpoint is kept and the message says so.
 Before and after training it prints the held-out loss and a greedy sample answer to a fixed
 prompt (lean/runtime/observe.py: KV-cache generation through lean's kernels); metrics also go to
 TensorBoard (out_dir/tb) when tensorboard is installed.
-On a CUDA device with grad_accum 1, dropout 0 and no vram_budget (and graph=True, the default),
-each step is replayed from one captured CUDA graph (lean.StepGraph: zero-grad, forward, loss,
-backward and AdamW in one launch; batches padded to max_tokens tokens in GRAPH_DOCS document
-slots); a batch of more documents than that runs eagerly. The graph's GEMMs may differ from the
-eager step's in the last bit (graph.py's Cautions); `--no-graph` runs every step eagerly.
+On a CUDA device with grad_accum 1 and dropout 0 (and graph=True, the default), each step is
+replayed from one captured CUDA graph (lean.StepGraph: zero-grad, forward, loss, backward and
+AdamW in one launch, under the vram_budget plan when there is one; batches padded to max_tokens
+tokens in GRAPH_DOCS document slots); a batch of more documents than that runs eagerly (under a
+VRAM budget the graph is dropped first: its memory and an eager step's would not both fit, and
+the run goes on eagerly). The graph's GEMMs may differ from the eager step's in the last bit
+(graph.py's Cautions); `--no-graph` runs every step eagerly.
 Tested: tests/test_train.py (loss goes down, resume == uninterrupted, atomic checkpoint, NaN
 error, CLI; on the GPU the graph run against the eager one).
 """
@@ -326,9 +328,9 @@ GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs ea
 
 def _step_graph(cfg, model, lora, opt, device, plan):
     """The captured step where it applies (see the module docstring), else None."""
-    if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0 and plan is None):
+    if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0):
         return None
-    return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS)
+    return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan)
 
 
 def _graph_batch(graph, docs, vocab):
@@ -358,6 +360,13 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             t0 = time.time()
             docs = [stream.next() for _ in range(cfg.grad_accum)]
             fixed = _graph_batch(graph, docs[0], vocab) if graph is not None else None
+            if fixed is None and graph is not None and plan is not None:
+                # A budget has no room for the graph's memory and an eager step's: drop the graph.
+                progress.write(f"step {step + 1}: {len(docs[0])} documents, more than the captured step's "
+                               f"{graph.max_docs - 1}: under --vram-budget the graph is dropped and the run "
+                               "goes on eagerly (a lower --max-tokens packs fewer documents a step)")
+                graph = None
+                torch.cuda.empty_cache()
             lr = lr_at(step + 1, cfg)
             if fixed is not None:  # the captured step: one replay
                 batches = [fixed]

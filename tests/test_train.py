@@ -256,18 +256,23 @@ def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
     assert _metrics(T.Path(planned.out_dir), "train") == _metrics(T.Path(plain.out_dir), "train")
 
 
+def _count_replays(monkeypatch, what):
+    """A list that gets what(graph) at every StepGraph replay from now on."""
+    calls, replay = [], T.StepGraph.step
+
+    def counted(self, *args, **kw):
+        calls.append(what(self))
+        return replay(self, *args, **kw)
+    monkeypatch.setattr(T.StepGraph, "step", counted)
+    return calls
+
+
 @pytest.mark.gpu
 def test_graph_steps_follow_the_eager_run_gpu(setup, monkeypatch):
     """On a GPU the default run replays every step from one captured CUDA graph: the per-step losses
     follow the eager run's (--no-graph) within bf16 noise (the graph's GEMMs may round differently:
     graph.py's Cautions), and the held-out loss goes down."""
-    calls = []
-    replay = T.StepGraph.step
-
-    def counted(self, *args, **kw):
-        calls.append(self.max_docs)
-        return replay(self, *args, **kw)
-    monkeypatch.setattr(T.StepGraph, "step", counted)
+    calls = _count_replays(monkeypatch, lambda graph: graph.max_docs)
     kw = dict(dropout=0.0, seed=3, steps=5, lr=3e-2)
     graph_cfg, eager_cfg = _cfg(setup, "graph", **kw), _cfg(setup, "eager", graph=False, **kw)
     T.train(graph_cfg)
@@ -289,13 +294,7 @@ def test_vram_budget_replays_the_planned_step_gpu(setup, monkeypatch):
     from lean.runtime.plan import SLACK
     from lean.runtime.planner import plan_for
 
-    calls = []
-    replay = T.StepGraph.step
-
-    def counted(self, *args, **kw):
-        calls.append(self.plan)
-        return replay(self, *args, **kw)
-    monkeypatch.setattr(T.StepGraph, "step", counted)
+    calls = _count_replays(monkeypatch, lambda graph: graph.plan)
     kw = dict(dropout=0.0, seed=9, steps=4, lr=3e-2, targets=["q", "v", "down"])
     probe = _cfg(setup, "budget-probe", **kw)
     model = T.load_model(probe.model, dtype=T.torch.bfloat16, device="cuda")

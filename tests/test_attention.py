@@ -70,26 +70,26 @@ def _grads_like(q, k, fused):
         torch.empty(N, KVH, D, dtype=q.dtype, device=q.device)
 
 
-def _run(q, k, v, do, cu, max_seqlen, scale, fused=False):
+def _run(q, k, v, do, cu, max_seqlen, scale, fused=False, tma=None):
     N, H, D = q.shape
     o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)                  # (N, H, D)
     lse = torch.empty(H, N, dtype=torch.float32, device=q.device)             # (H, N)
     poison(o, lse)
-    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale)
+    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, tma=tma)
     dq, dk, dv = _grads_like(q, k, fused)
     delta = torch.empty(H, N, dtype=torch.float32, device=q.device)           # (H, N) scratch
     poison(dq, dk, dv, delta)
-    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale)
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, tma=tma)
     return o, lse, dq, dk, dv
 
 
-def _check_case(case, dtype, fused=False):
+def _check_case(case, dtype, fused=False, tma=None):
     spec, H, KVH, D, mag = case
     g = fresh_generator()
     lengths = _lengths(spec, g)
     q, k, v, do, cu = _inputs(lengths, H, KVH, D, dtype, g, mag, fused)
     scale = D ** -0.5
-    o, lse, dq, dk, dv = _run(q, k, v, do, cu, max(lengths), scale, fused)
+    o, lse, dq, dk, dv = _run(q, k, v, do, cu, max(lengths), scale, fused, tma)
 
     # (a) padded reference and (b) SDPA per document, both in fp64 on the same (upcast) inputs,
     # gradients by autograd; (c) SDPA per document at the kernel's precision: torch's own error
@@ -118,7 +118,14 @@ def _check_case(case, dtype, fused=False):
 @pytest.mark.parametrize("dtype", [torch.float32, LOWP], ids=str)
 @pytest.mark.parametrize("case", list(CPU_CASES), ids=str)
 def test_attention_matches_references(case, dtype):
-    _check_case(CPU_CASES[case], dtype)
+    # the pointer loops here (tma=False); the TMA loops below, and on the GPU where they are automatic
+    _check_case(CPU_CASES[case], dtype, tma=False)
+
+
+@pytest.mark.parametrize("case", [c for c, spec in CPU_CASES.items() if spec[3] in (32, 64)], ids=str)
+def test_attention_tma_loops_match_references(case):
+    # the loops' rows read through TMA descriptors (the interpreter runs them on the CPU)
+    _check_case(CPU_CASES[case], LOWP, tma=True)
 
 
 @pytest.mark.gpu
@@ -127,9 +134,55 @@ def test_attention_matches_references_gpu(case):
     _check_case(GPU_CASES[case], LOWP)
 
 
-def test_attention_fused_qkv_views():
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c, spec in GPU_CASES.items() if spec[3] in (64, 128)], ids=str)
+def test_attention_tma_loops_match_references_gpu(case):
+    # these cases are too small for the automatic choice to pick the TMA loops: forced here
+    _check_case(GPU_CASES[case], LOWP, tma=True)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_attention_fused_qkv_views(tma):
     # q/k/v and dq/dk/dv as strided head slices of fused buffers
-    _check_case(([45, 1, 70], 4, 2, 32, 1.0), LOWP, fused=True)
+    _check_case(([45, 1, 70], 4, 2, 32, 1.0), LOWP, fused=True, tma=tma)
+
+
+@pytest.mark.parametrize("size", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_attention_tma_loops_bit_equal_pointer_loops(size):
+    # The TMA loops read rows past a document from the next one (the pointer loops read 0) and
+    # mask them out: the same configs must give the same bits. GPU: real configs of both paths
+    # differ, so there the outputs of each are compared at the configs of the other's table.
+    if size == "cpu":
+        cases = [([37, 1, 64, 13, 0, 50, 1, 31], 4, 2, 32), ([19, 3], 8, 1, 64)]
+    else:
+        cases = [([700, 1, 300, 2000, 5, 129, 64, 65], 32, 8, 128), ([1, 63, 1000, 17, 2048], 32, 8, 64),
+                 ([4096, 4096], 16, 8, 128)]
+    for lengths, H, KVH, D in cases:
+        g = fresh_generator()
+        q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g, fused=True)
+        ptrs = _run(q, k, v, do, cu, max(lengths), D ** -0.5, fused=True, tma=False)
+        with _same_configs(size):
+            tma = _run(q, k, v, do, cu, max(lengths), D ** -0.5, fused=True, tma=True)
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ptrs, tma):
+            assert torch.equal(a, b), f"{name}: the TMA loops differ from the pointer loops ({lengths}, D={D})"
+
+
+def _same_configs(size):
+    """On the GPU: the TMA path at the pointer path's configs (block sizes change the sums' order)."""
+    import contextlib
+    from unittest import mock
+
+    from lean.kernels import attention as A
+    if size == "cpu":
+        return contextlib.nullcontext()
+    return mock.patch.object(A, "_TMA_TABLES", A._TABLES)
+
+
+def test_attention_tma_rejects_unfit_heads():
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs([5, 7], 4, 2, 80, torch.float32, g)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        _run(q, k, v, do, cu, 7, 80 ** -0.5, tma=True)
 
 
 @pytest.mark.parametrize("size", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

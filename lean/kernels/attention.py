@@ -21,6 +21,14 @@ Inputs and outputs:
     o (N, H, D) q's dtype; lse (H, N) fp32 -- the only thing forward saves besides its inputs and o.
     Backward: dq (N, H, D), dk, dv (N, KVH, D) in q's dtype, written with = (never accumulated);
         delta (H, N) fp32 is caller-provided scratch (delta = rowsum(o * do)).
+Loads: the rows each loop step reads (k/v in forward and dq, q/do in dk/dv) come through TMA
+descriptors over the (N, heads * D) views in a captured step on Hopper (16-bit, D = 64/128, packed
+heads: _use_tma), else through masked pointer loads. A descriptor bounds the batch, not the
+document, so the last block of a document reads the next document's rows where the pointer loads
+read 0; those rows are masked either way (keys past the document fall above the causal diagonal of
+every valid query; queries past it load lse = +inf, so p = 0), and both paths give the same bits at
+the same block sizes (tested). One difference: a non-finite value in a neighbouring document's q/do
+rows would reach dk/dv as 0 * inf -- the step's loss is non-finite then anyway.
 Deterministic: no atomics. dk/dv are computed per (key block, kv head), looping over the G query
 heads inside the program; dq is a second kernel that recomputes the scores (7 matmuls per tile pair
 in backward instead of the atomic version's 5). Two runs give bit-identical gradients.
@@ -55,6 +63,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
+from lean.kernels.gemm import tma_desc, tma_ok
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -98,11 +107,25 @@ def _load_rows(base, rows, stride, seqlen, offs_d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-              seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+def _loop_rows(src, row0, col, rows, stride, seqlen, offs_d, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """The (len(rows), BLOCK_D) tile a loop step reads. TMA: src is a descriptor over the (N,
+    heads * D) view, read at absolute row row0 = document start + rows[0] and column col = head * D
+    (rows past N read 0; rows past the document read the next one's, which every caller masks
+    out: see the module notes). Otherwise src points at the head's first document row and rows
+    past the document read 0 (_load_rows)."""
+    if TMA:
+        return src.load([row0, col])
+    else:
+        return _load_rows(src, rows, stride, seqlen, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k_src, v_src, row0, col, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+              seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
     """One key block of the forward: scores, mask, and the online-softmax update (log2 units)."""
-    k = _load_rows(k_base, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM)             # (BN, BD)
-    v = _load_rows(v_base, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM)             # (BN, BD)
+    k = _loop_rows(k_src, row0, col, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
+    v = _loop_rows(v_src, row0, col, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)                          # (BM, BN)
     if MASK:
         qk = tl.where(_keep(offs_m[:, None], offs_n[None, :]), qk, float("-inf"))
@@ -115,13 +138,13 @@ def _fwd_step(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, of
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, stride_don,
+def _dkdv_step(dk, dv, k, v, q_src, do_src, row0, col, lse_row, delta_row, stride_qn, stride_don,
                offs_m, offs_n, offs_d, seqlen, qk_scale,
-               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One query block against this program's key block, in transposed (key, query) layout.
-    Rows past the document load q = do = 0, lse = +inf, delta = 0, so they add exactly 0."""
-    q = _load_rows(q_base, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM)             # (BM, BD)
-    do = _load_rows(do_base, offs_m, stride_don, seqlen, offs_d, HEAD_DIM)          # (BM, BD)
+    Rows past the document load lse = +inf (so p = 0) and delta = 0: they add exactly 0."""
+    q = _loop_rows(q_src, row0, col, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM, TMA)       # (BM, BD)
+    do = _loop_rows(do_src, row0, col, offs_m, stride_don, seqlen, offs_d, HEAD_DIM, TMA)    # (BM, BD)
     lse2 = tl.load(lse_row + offs_m, mask=offs_m < seqlen, other=float("inf")) * _LOG2E
     delta = tl.load(delta_row + offs_m, mask=offs_m < seqlen, other=0.0)
     qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)                         # (BN, BM)
@@ -136,11 +159,12 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, str
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-             seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_step(dq, q, do, lse2, delta, k_src, v_src, row0, col, stride_kn, stride_vn, offs_m, offs_n,
+             offs_d, seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
+             PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One key block of dq: recompute p, then dq += ds @ k."""
-    k = _load_rows(k_base, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM)             # (BN, BD)
-    v = _load_rows(v_base, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM)             # (BN, BD)
+    k = _loop_rows(k_src, row0, col, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
+    v = _loop_rows(v_src, row0, col, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)                          # (BM, BN)
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASK:
@@ -158,12 +182,12 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_
 @triton.jit
 def _attention_fwd_kernel(
     o_ptr, lse_ptr,                                  # outputs: (N, H, D), (H, N) fp32
-    q_ptr, k_ptr, v_ptr, cu_ptr,                     # inputs: (N, H, D), (N, KVH, D) x2, (B+1,)
+    q_ptr, k_src, v_src, cu_ptr,                     # inputs: (N, H, D), (N, KVH, D) x2, (B+1,)
     stride_on, stride_oh, stride_qn, stride_qh,      # row / head strides (last stride is 1)
     stride_kn, stride_kh, stride_vn, stride_vh,
     N, B, GROUP, scale,                              # tokens (= lse row stride), documents, H // KVH, scale
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
 ):
     # walked from the end: each document's last (heaviest) query block first
     pid_m, seq_start, seqlen = _work_item(tl.num_programs(0) - 1 - tl.program_id(0), cu_ptr, B, BLOCK_M, BLOCK_B)
@@ -174,8 +198,11 @@ def _attention_fwd_kernel(
     tok0 = seq_start.to(tl.int64)
     kvh = h // GROUP
     q_base = q_ptr + tok0 * stride_qn + h * stride_qh
-    k_base = k_ptr + tok0 * stride_kn + kvh * stride_kh
-    v_base = v_ptr + tok0 * stride_vn + kvh * stride_vh
+    if TMA:
+        k_base, v_base = k_src, v_src
+    else:
+        k_base = k_src + tok0 * stride_kn + kvh * stride_kh
+        v_base = v_src + tok0 * stride_vn + kvh * stride_vh
     qk_scale = scale * _LOG2E
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -187,13 +214,13 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, start_m, BLOCK_N):                 # keys before the block: no mask
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                  offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                                  HEAD_DIM, False, PRECISION)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                                  stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
+                                  HEAD_DIM, False, PRECISION, TMA)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seqlen), BLOCK_N):  # diagonal
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                  offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                                  HEAD_DIM, True, PRECISION)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                                  stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
+                                  HEAD_DIM, True, PRECISION, TMA)
 
     o = acc / l_i[:, None]
     o_ptrs = o_ptr + tok0 * stride_on + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
@@ -223,13 +250,13 @@ def _attention_bwd_delta_kernel(
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     dk_ptr, dv_ptr,                                  # outputs: (N, KVH, D) each
-    do_ptr, q_ptr, k_ptr, v_ptr,                     # (N, H, D) x2, (N, KVH, D) x2
+    do_src, q_src, k_ptr, v_ptr,                     # (N, H, D) x2, (N, KVH, D) x2
     lse_ptr, delta_ptr, cu_ptr,                      # (H, N) fp32 x2, (B+1,) int32
     stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_don, stride_doh,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     N, B, GROUP, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: do_src, q_src are descriptors
 ):
     # first key blocks carry the most work: first
     pid_n, seq_start, seqlen = _work_item(tl.program_id(0), cu_ptr, B, BLOCK_N, BLOCK_B)
@@ -249,18 +276,21 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):                           # the query heads sharing this kv head
         h = kvh * GROUP + g
-        q_base = q_ptr + tok0 * stride_qn + h * stride_qh
-        do_base = do_ptr + tok0 * stride_don + h * stride_doh
+        if TMA:
+            q_base, do_base = q_src, do_src
+        else:
+            q_base = q_src + tok0 * stride_qn + h * stride_qh
+            do_base = do_src + tok0 * stride_don + h * stride_doh
         lse_row = lse_ptr + h * N + seq_start
         delta_row = delta_ptr + h * N + seq_start
         for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, seqlen), BLOCK_M):  # diagonal
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn,
-                                stride_don, start_m + offs_m, offs_n, offs_d, seqlen, qk_scale,
-                                HEAD_DIM, True, PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, seq_start + start_m, h * HEAD_DIM, lse_row,
+                                delta_row, stride_qn, stride_don, start_m + offs_m, offs_n, offs_d, seqlen,
+                                qk_scale, HEAD_DIM, True, PRECISION, TMA)
         for start_m in range(start_n + BLOCK_N, seqlen, BLOCK_M):                       # below it
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn,
-                                stride_don, start_m + offs_m, offs_n, offs_d, seqlen, qk_scale,
-                                HEAD_DIM, False, PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, seq_start + start_m, h * HEAD_DIM, lse_row,
+                                delta_row, stride_qn, stride_don, start_m + offs_m, offs_n, offs_d, seqlen,
+                                qk_scale, HEAD_DIM, False, PRECISION, TMA)
 
     mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = dk_ptr + tok0 * stride_dkn + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -272,13 +302,13 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_kernel(
     dq_ptr,                                          # output: (N, H, D)
-    do_ptr, q_ptr, k_ptr, v_ptr,                     # (N, H, D) x2, (N, KVH, D) x2
+    do_ptr, q_ptr, k_src, v_src,                     # (N, H, D) x2, (N, KVH, D) x2
     lse_ptr, delta_ptr, cu_ptr,                      # (H, N) fp32 x2, (B+1,) int32
     stride_dqn, stride_dqh, stride_don, stride_doh,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     N, B, GROUP, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
 ):
     # walked from the end: each document's last (heaviest) query block first
     pid_m, seq_start, seqlen = _work_item(tl.num_programs(0) - 1 - tl.program_id(0), cu_ptr, B, BLOCK_M, BLOCK_B)
@@ -288,8 +318,11 @@ def _attention_bwd_dq_kernel(
         return
     tok0 = seq_start.to(tl.int64)
     kvh = h // GROUP
-    k_base = k_ptr + tok0 * stride_kn + kvh * stride_kh
-    v_base = v_ptr + tok0 * stride_vn + kvh * stride_vh
+    if TMA:
+        k_base, v_base = k_src, v_src
+    else:
+        k_base = k_src + tok0 * stride_kn + kvh * stride_kh
+        v_base = v_src + tok0 * stride_vn + kvh * stride_vh
     qk_scale = scale * _LOG2E
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -302,11 +335,13 @@ def _attention_bwd_dq_kernel(
     delta = tl.load(delta_ptr + h * N + seq_start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, start_m, BLOCK_N):                 # keys before the block: no mask
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                      start_n + offs_n, offs_d, seqlen, qk_scale, HEAD_DIM, False, PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                      stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
+                      HEAD_DIM, False, PRECISION, TMA)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seqlen), BLOCK_N):  # diagonal
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                      start_n + offs_n, offs_d, seqlen, qk_scale, HEAD_DIM, True, PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                      stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
+                      HEAD_DIM, True, PRECISION, TMA)
 
     dq_ptrs = dq_ptr + tok0 * stride_dqn + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
@@ -347,6 +382,17 @@ _INTERPRET_CONFIG = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 1
 # 64 x 64 blocks: 1.2 s and 2.0 s, 256 x 256: 0.88 s and 1.6 s.
 _INTERPRET_MAX_BLOCK = 256
 _TABLES = {"fwd": _FWD_CONFIG, "dkdv": _DKDV_CONFIG, "dq": _DQ_CONFIG}
+# The TMA loops (Hopper): the rows each loop step reads come through descriptors (the copy engine
+# fills shared memory; no per-row address or mask math). H100, bf16, kernel medians over bench
+# step's packed documents (11, max 3101) and 4 x 2048, pointer loops at their table configs above
+# -> TMA at these (the outputs bit-equal):
+#   (H, KVH, D) = (32, 8, 128): fwd 0.379 -> 0.318 ms, dkdv 0.958 -> 0.859, dq 0.468 -> 0.441;
+#   (16, 8, 128): fwd 0.208 -> 0.176, dkdv 0.490 -> 0.446, dq 0.262 -> 0.244;
+#   (32, 8, 64):  fwd 0.214 -> 0.202, dkdv 0.699 -> 0.638, dq 0.222 -> 0.204 (packed; 4 x 2048 alike).
+# Runner-up configs within 3%: fwd (128, 128, 8, 3) at D=128, dkdv (32, 64, 4, 2) at D=64.
+_TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+               "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
+               "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}}
 _DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
 
 
@@ -354,7 +400,7 @@ def _interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"  # read at launch: tests set it before use
 
 
-def _config(kernel, block_d, dtype, max_seqlen, width):
+def _config(kernel, block_d, dtype, max_seqlen, width, tma=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); width = H * D."""
     if _interpreting() and width >= 512:
         b = min(_INTERPRET_MAX_BLOCK, max(16, triton.next_power_of_2(max_seqlen)))
@@ -363,6 +409,8 @@ def _config(kernel, block_d, dtype, max_seqlen, width):
         cfg = _INTERPRET_CONFIG[kernel]
     elif dtype == torch.float32:
         cfg = _FP32_CONFIG[kernel]
+    elif tma:
+        cfg = _TMA_TABLES[kernel][block_d]
     else:
         cfg = _TABLES[kernel][max(64, block_d)]
     q_block, k_block = cfg[:2]
@@ -412,6 +460,30 @@ def _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale):
     return N, H, KVH, D, max(16, triton.next_power_of_2(D))
 
 
+def _rows_2d(t):
+    """The (N, heads * D) view of an (N, heads, D) tensor whose heads are packed in each row, else None."""
+    N, heads, D = t.shape
+    return t.as_strided((N, heads * D), (t.stride(0), 1)) if t.stride(1) == D else None
+
+
+def _use_tma(tma, D, *tensors):
+    """Whether the loops read through TMA descriptors. tma=None (auto): inside
+    gemm.tma_at_every_size (the step StepGraph captures, where a launch's host cost is paid once),
+    on a Hopper GPU, for 16-bit tensors with packed heads and aligned rows and D = 64 or 128 (the
+    tuned tables). Not in eager steps: the descriptors' host cost (~0.25 ms a launch, H100 host)
+    made eager Qwen3-0.6B 19% slower (92,590 -> 74,611 tok/s; its graph 103,145 -> 104,474).
+    True forces them (D a power of two, packed heads: the interpreter runs them in the CPU tests);
+    False never."""
+    views = [_rows_2d(t) for t in tensors]
+    fits = all(v is not None for v in views) and D == triton.next_power_of_2(D)
+    if tma is None:   # macs=0: only where tma_at_every_size waives the size rule (a captured step)
+        return fits and D in (64, 128) and tma_ok(*views, macs=0)
+    if tma and not fits:
+        raise ValueError(f"attention tma=True needs a power-of-two head dim (got {D}) and each row's "
+                         "heads packed (stride(1) == D)")
+    return bool(tma)
+
+
 def _check_row_offsets(max_seqlen, **tensors):
     for name, t in tensors.items():
         if (max_seqlen + 256) * t.stride(0) >= 2**31:
@@ -419,27 +491,31 @@ def _check_row_offsets(max_seqlen, **tensors):
                              "stay below 2^31 (int32 offsets inside a document)")
 
 
-def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale):
-    """o (N, H, D) q.dtype and lse (H, N) fp32 <- causal attention of each document of q, k, v."""
+def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, tma=None):
+    """o (N, H, D) q.dtype and lse (H, N) fp32 <- causal attention of each document of q, k, v.
+    tma: the loops' loads through descriptors (None: automatic, see _use_tma)."""
     N, H, KVH, D, BLOCK_D = _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale)
     check(o, "o", shape=(N, H, D), dtype=q.dtype, device=q.device, last_contiguous=True)
     _check_row_offsets(max_seqlen, o=o, q=q, k=k, v=v)
     if N == 0:
         return
-    BLOCK_M, BLOCK_N, warps, stages = _config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D)
+    use_tma = _use_tma(tma, D, k, v)
+    BLOCK_M, BLOCK_N, warps, stages = _config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     B = cu_seqlens.shape[0] - 1
+    k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
     _attention_fwd_kernel[(_n_items(N, B, max_seqlen, BLOCK_M), H)](
-        o, lse, q, k, v, cu_seqlens,
+        o, lse, q, k_src, v_src, cu_seqlens,
         o.stride(0), o.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=warps, num_stages=stages)
 
 
-def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale):
-    """dq, dk, dv (written with =) <- gradients of attention_fwd for incoming do; delta is scratch."""
+def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, tma=None):
+    """dq, dk, dv (written with =) <- gradients of attention_fwd for incoming do; delta is scratch.
+    tma: the loops' loads through descriptors (None: automatic, see _use_tma)."""
     N, H, KVH, D, BLOCK_D = _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale)
     dev = q.device
     check(dq, "dq", shape=(N, H, D), dtype=q.dtype, device=dev, last_contiguous=True)
@@ -461,20 +537,23 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         delta, do, o, do.stride(0), do.stride(1), o.stride(0), o.stride(1), N,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, num_warps=4)
 
-    BLOCK_M, BLOCK_N, warps, stages = _config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D)
+    use_tma = _use_tma(tma, D, q, k, v, do)
+    BLOCK_M, BLOCK_N, warps, stages = _config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
     _attention_bwd_dkdv_kernel[(_n_items(N, B, max_seqlen, BLOCK_N), KVH)](
-        dk, dv, do, q, k, v, lse, delta, cu_seqlens,
+        dk, dv, do_src, q_src, k, v, lse, delta, cu_seqlens,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        TMA=use_tma, num_warps=warps, num_stages=stages)
 
-    BLOCK_M, BLOCK_N, warps, stages = _config("dq", BLOCK_D, q.dtype, max_seqlen, H * D)
+    BLOCK_M, BLOCK_N, warps, stages = _config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
     _attention_bwd_dq_kernel[(_n_items(N, B, max_seqlen, BLOCK_M), H)](
-        dq, do, q, k, v, lse, delta, cu_seqlens,
+        dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
         dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        TMA=use_tma, num_warps=warps, num_stages=stages)

@@ -3,6 +3,7 @@
     python tools/attn_tune.py                  # time the configs in lean/kernels/attention.py
     python tools/attn_tune.py --sweep          # also sweep BLOCK_M/BLOCK_N/warps/stages per kernel
     python tools/attn_tune.py --sweep --compile-only   # fill Triton's cache in parallel workers
+    python tools/attn_tune.py --tma [--sweep]  # the TMA loops (a captured step's) and their table
 
 Cases: N = 8192 tokens packed from documents with exponential lengths (mean 512, fixed seed) and
 4 x 2048, for H=16/KVH=8/D=128 and H=32/KVH=8/D=64. FLOPs count causal work only:
@@ -36,6 +37,12 @@ SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of th
            (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3)],
 }
 TABLES = {"fwd": "_FWD_CONFIG", "dkdv": "_DKDV_CONFIG", "dq": "_DQ_CONFIG"}
+TMA = {"on": False}  # --tma: every lean call forced onto the TMA loops, the sweep edits _TMA_TABLES
+
+
+def table(kernel):
+    """The config dict (keyed by D) lean reads for `kernel` on the path being timed."""
+    return A._TMA_TABLES[kernel] if TMA["on"] else getattr(A, TABLES[kernel])
 
 
 def packed_lengths(total=8192, mean=512, seed=0):
@@ -70,12 +77,12 @@ def make(lengths, H, KVH, D, dtype=torch.bfloat16):
 
 
 def lean_fwd(t):
-    A.attention_fwd(t["o"], t["lse"], t["q"], t["k"], t["v"], t["cu"], t["M"], t["scale"])
+    A.attention_fwd(t["o"], t["lse"], t["q"], t["k"], t["v"], t["cu"], t["M"], t["scale"], tma=TMA["on"])
 
 
 def lean_bwd(t):
     A.attention_bwd(t["dq"], t["dk"], t["dv"], t["delta"], t["do"], t["q"], t["k"], t["v"], t["o"],
-                    t["lse"], t["cu"], t["M"], t["scale"])
+                    t["lse"], t["cu"], t["M"], t["scale"], tma=TMA["on"])
 
 
 def bench(fn):
@@ -157,7 +164,7 @@ def _max_rel_diff(t):
 
 def _run_config(kernel, D, cfg, time_it):
     """Set one kernel's config for D, run (and time) every case; returns {case: ms} or an error."""
-    getattr(A, TABLES[kernel])[D] = cfg
+    table(kernel)[D] = cfg
     H, KVH, _ = next(h for h in HEADS if h[2] == D)
     out = {}
     try:
@@ -189,10 +196,10 @@ def sweep(compile_only, workers, kernels=tuple(SWEEP)):
                 if isinstance(res, str):
                     print("compile failed", job, res)
         return
-    defaults = {k: dict(getattr(A, v)) for k, v in TABLES.items()}
+    defaults = {k: dict(table(k)) for k in TABLES}
     for kernel, D, cfg in jobs:
         res = _run_config(kernel, D, cfg, time_it=True)
-        getattr(A, TABLES[kernel])[D] = defaults[kernel][D]
+        table(kernel)[D] = defaults[kernel][D]
         if isinstance(res, str):
             shown, total = res, ""
         else:   # diff: max |lean - torch flash| / max |torch flash| over o, dq, dk, dv (bf16 noise ~1e-2)
@@ -209,9 +216,11 @@ if __name__ == "__main__":
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="the sweep's kernels, comma-separated")
     ap.add_argument("--no-compare", action="store_true", help="skip the comparison with torch's flash")
+    ap.add_argument("--tma", action="store_true", help="time (and sweep) the TMA loops: lean's path in a captured step")
     args = ap.parse_args()
+    TMA["on"] = args.tma
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-    print("configs:", {k: getattr(A, v) for k, v in TABLES.items()})
+    print("configs:", {k: table(k) for k in TABLES}, "(TMA loops)" if args.tma else "(pointer loops)")
     if args.sweep:
         sweep(args.compile_only, args.workers, tuple(args.kernels.split(",")))
     if not (args.compile_only or args.no_compare):

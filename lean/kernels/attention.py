@@ -81,22 +81,47 @@ def _keep(q_idx, k_idx):
 
 
 @triton.jit
-def _work_item(t, cu_ptr, n_docs, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Item t of the walk over every document's row blocks of BLOCK rows, document after document:
-    (block index inside its document, document start, document length); past the last block the
-    length is 0 (the program exits). One grid axis instead of (blocks x documents): with fixed-shape
-    batches (a CUDA graph's 64 document slots and max_seqlen = N) ~98% of that grid only exited,
-    +10.7 ms a Qwen3-0.6B step (H100, bench_profile). BLOCK_B >= n_docs, a power of two."""
+def _work_item(t, cu_ptr, n_docs, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, LAST_FIRST: tl.constexpr,
+               SORTED: tl.constexpr):
+    """Item t of the walk over every document's row blocks of BLOCK rows: (block index inside its
+    document, document start, document length); past the last block the length is 0 (the program
+    exits). One grid axis instead of (blocks x documents): with fixed-shape batches (a CUDA graph's
+    64 document slots and max_seqlen = N) ~98% of that grid only exited, +10.7 ms a Qwen3-0.6B step
+    (H100, bench_profile). BLOCK_B >= n_docs, a power of two.
+    Order: SORTED, the documents longest first (ties in batch order; up to 128 slots), else in
+    batch order; inside one its blocks first to last, or last to first with LAST_FIRST (a query
+    block's work grows with its index, a key block's shrinks)."""
     rb = tl.arange(0, BLOCK_B)
     lo = tl.load(cu_ptr + rb, mask=rb < n_docs, other=0)
     hi = tl.load(cu_ptr + rb + 1, mask=rb < n_docs, other=0)
     nblk = (hi - lo + BLOCK - 1) // BLOCK                  # row blocks of each document (0 if empty)
-    end = tl.cumsum(nblk, 0)                              # blocks of documents 0..b
-    mine = (end > t) & (end - nblk <= t)                  # the one document holding item t, if any
-    block = tl.sum(tl.where(mine, t - (end - nblk), 0), 0)
+    if SORTED and BLOCK_B <= 128:  # [b, c]: document c walks before b; first[b]: blocks walked before b's
+        before = (nblk[None, :] > nblk[:, None]) | ((nblk[None, :] == nblk[:, None]) & (rb[None, :] < rb[:, None]))
+        first = tl.sum(tl.where(before, nblk[None, :], 0), 1)
+    else:
+        first = tl.cumsum(nblk, 0) - nblk
+    mine = (first <= t) & (t < first + nblk)              # the one document holding item t, if any
+    if LAST_FIRST:  # block 0 where no document holds t: its seqlen 0 sends the program home
+        block = tl.sum(tl.where(mine, nblk - 1 - (t - first), 0), 0)
+    else:
+        block = tl.sum(tl.where(mine, t - first, 0), 0)
     start = tl.sum(tl.where(mine, lo, 0), 0)
     seqlen = tl.sum(tl.where(mine, hi - lo, 0), 0)
     return block, start, seqlen
+
+
+@triton.jit
+def _query_program(cu_ptr, n_docs, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, SORTED: tl.constexpr):
+    """(block, document start, document length, head) of a forward / dq program: SORTED, heads on
+    grid axis 0 (item t of every head launches together) and the longest documents first, each
+    one's last (heaviest) query block first; else items on axis 0 walked from the end."""
+    if SORTED:
+        block, start, seqlen = _work_item(tl.program_id(1), cu_ptr, n_docs, BLOCK, BLOCK_B, True, True)
+        return block, start, seqlen, tl.program_id(0)
+    else:
+        block, start, seqlen = _work_item(tl.num_programs(0) - 1 - tl.program_id(0), cu_ptr, n_docs, BLOCK,
+                                          BLOCK_B, False, False)
+        return block, start, seqlen, tl.program_id(1)
 
 
 @triton.jit
@@ -175,7 +200,7 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, row0, col, stride_kn, stride_
 
 
 # ----------------------------------------------------------------------------------------------
-# kernels. Grid axis 0 walks the documents' blocks (_work_item), axis 1 heads; programs past the
+# kernels. Grid axis 0 heads, axis 1 walks the documents' blocks (_work_item); programs past the
 # last block exit at once. Causal block skipping: a query block visits only key
 # blocks up to its diagonal; only the diagonal blocks pay for the mask.
 
@@ -188,10 +213,9 @@ def _attention_fwd_kernel(
     N, B, GROUP, scale,                              # tokens (= lse row stride), documents, H // KVH, scale
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
+    SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
 ):
-    # walked from the end: each document's last (heaviest) query block first
-    pid_m, seq_start, seqlen = _work_item(tl.num_programs(0) - 1 - tl.program_id(0), cu_ptr, B, BLOCK_M, BLOCK_B)
-    h = tl.program_id(1)
+    pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen:
         return
@@ -257,10 +281,14 @@ def _attention_bwd_dkdv_kernel(
     N, B, GROUP, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: do_src, q_src are descriptors
+    SORTED: tl.constexpr,                            # the walk's order and grid (below)
 ):
-    # first key blocks carry the most work: first
-    pid_n, seq_start, seqlen = _work_item(tl.program_id(0), cu_ptr, B, BLOCK_N, BLOCK_B)
-    kvh = tl.program_id(1)
+    if SORTED:  # heads on axis 0: every kv head's item t launches together, longest documents first
+        pid_n, seq_start, seqlen = _work_item(tl.program_id(1), cu_ptr, B, BLOCK_N, BLOCK_B, False, True)
+        kvh = tl.program_id(0)
+    else:       # items on axis 0, each document's first key block (the most work) first
+        pid_n, seq_start, seqlen = _work_item(tl.program_id(0), cu_ptr, B, BLOCK_N, BLOCK_B, False, False)
+        kvh = tl.program_id(1)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen:
         return
@@ -309,10 +337,9 @@ def _attention_bwd_dq_kernel(
     N, B, GROUP, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
+    SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
 ):
-    # walked from the end: each document's last (heaviest) query block first
-    pid_m, seq_start, seqlen = _work_item(tl.num_programs(0) - 1 - tl.program_id(0), cu_ptr, B, BLOCK_M, BLOCK_B)
-    h = tl.program_id(1)
+    pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen:
         return
@@ -390,6 +417,18 @@ _TABLES = {"fwd": _FWD_CONFIG, "dkdv": _DKDV_CONFIG, "dq": _DQ_CONFIG}
 #   (16, 8, 128): fwd 0.208 -> 0.176, dkdv 0.490 -> 0.446, dq 0.262 -> 0.244;
 #   (32, 8, 64):  fwd 0.214 -> 0.202, dkdv 0.699 -> 0.638, dq 0.222 -> 0.204 (packed; 4 x 2048 alike).
 # Runner-up configs within 3%: fwd (128, 128, 8, 3) at D=128, dkdv (32, 64, 4, 2) at D=64.
+# The walk's order (_work_item, _query_program). SORTED takes the documents longest first and puts
+# the heads on grid axis 0, so that every head's heaviest programs launch first; unsorted, the heads
+# are axis 1 and the last heads' heavy programs launch after every other head's items, and a dk/dv
+# program (a key block of one kv head, its G query heads inside: the longest program of the
+# kernel) can then start late and run alone at the end. H100, bf16, TMA loops, the graph's 64
+# document slots, backward (delta + dk/dv + dq) unsorted -> sorted: (32, 8, 128) 1.289 -> 1.078 ms
+# on bench step's documents (11, max 3101), 1.086 -> 0.880 and 0.748 -> 0.646 on bench_offload's
+# two batches (18 each), 1.298 -> 1.168 on 4 x 2048; (16, 8, 128) 0.699 -> 0.550, 0.582 -> 0.457,
+# 0.403 -> 0.343, 0.679 -> 0.601; (32, 8, 64) 0.857 -> 0.669, 0.700 -> 0.544, 0.478 -> 0.400,
+# 0.826 -> 0.723 (the same bits). dq alone gains 0-4% from it. The forward's programs are short
+# (one head each): sorted it measured 3-10% slower at (32, 8, 128), within noise elsewhere.
+_SORTED = {"fwd": False, "dkdv": True, "dq": True}
 _TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
                "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
                "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}}
@@ -420,10 +459,18 @@ def _config(kernel, block_d, dtype, max_seqlen, width, tma=False):
     return cfg
 
 
+def _grid(kernel, heads, items):
+    return (heads, items) if _SORTED[kernel] else (items, heads)
+
+
 def _n_items(N, B, max_seqlen, block):
-    """Grid axis 0 of the _work_item walk: the documents' blocks of `block` rows number at most
+    """Grid axis 1 of the _work_item walk: the documents' blocks of `block` rows number at most
     cdiv(N, block) + B in all, and at most cdiv(max_seqlen, block) per document."""
-    return max(1, min(triton.cdiv(N, block) + B, B * triton.cdiv(max_seqlen, block)))
+    n = max(1, min(triton.cdiv(N, block) + B, B * triton.cdiv(max_seqlen, block)))
+    if n > 65535:  # CUDA's limit on grid axis 1 (where the sorted walk puts it)
+        raise ValueError(f"attention: {n} row blocks of {block} in one batch (at most 65535: fewer tokens "
+                         "or documents per batch)")
+    return n
 
 
 def _block_b(B):
@@ -503,13 +550,13 @@ def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, tma=None):
     BLOCK_M, BLOCK_N, warps, stages = _config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     B = cu_seqlens.shape[0] - 1
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_fwd_kernel[(_n_items(N, B, max_seqlen, BLOCK_M), H)](
+    _attention_fwd_kernel[_grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         o, lse, q, k_src, v_src, cu_seqlens,
         o.stride(0), o.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, SORTED=_SORTED["fwd"],
         num_warps=warps, num_stages=stages)
 
 
@@ -540,20 +587,20 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
     use_tma = _use_tma(tma, D, q, k, v, do)
     BLOCK_M, BLOCK_N, warps, stages = _config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
-    _attention_bwd_dkdv_kernel[(_n_items(N, B, max_seqlen, BLOCK_N), KVH)](
+    _attention_bwd_dkdv_kernel[_grid("dkdv", KVH, _n_items(N, B, max_seqlen, BLOCK_N))](
         dk, dv, do_src, q_src, k, v, lse, delta, cu_seqlens,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=_SORTED["dkdv"], num_warps=warps, num_stages=stages)
 
     BLOCK_M, BLOCK_N, warps, stages = _config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_bwd_dq_kernel[(_n_items(N, B, max_seqlen, BLOCK_M), H)](
+    _attention_bwd_dq_kernel[_grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
         dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=_SORTED["dq"], num_warps=warps, num_stages=stages)

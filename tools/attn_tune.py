@@ -5,8 +5,8 @@
     python tools/attn_tune.py --sweep --compile-only   # fill Triton's cache in parallel workers
     python tools/attn_tune.py --tma [--sweep]  # the TMA loops (a captured step's) and their table
 
-Cases: N = 8192 tokens packed from documents with exponential lengths (mean 512, fixed seed) and
-4 x 2048, for H=16/KVH=8/D=128 and H=32/KVH=8/D=64. FLOPs count causal work only:
+Cases: N = 8192 tokens packed from documents with exponential lengths (mean 512, fixed seed), bench
+step's packed batch and 4 x 2048, for H=16/KVH=8/D=128 and H=32/KVH=8/D=64. FLOPs count causal work only:
 fwd = 4 * sum(L_i^2) / 2 * D * H, bwd = 2.5 * fwd (the 5-matmul convention; lean's deterministic
 backward actually runs 7). Times are triton.testing.do_bench medians.
 Peers: torch's flash kernel called in varlen form (aten._flash_attention_forward/backward with
@@ -55,7 +55,13 @@ def packed_lengths(total=8192, mean=512, seed=0):
     return lens
 
 
-CASES = {"packed8192": packed_lengths(), "4x2048": [2048] * 4}
+def bench_step_lengths():
+    """bench step's packed batch (tools/bench_step.py: 11 documents, the longest 3101)."""
+    import bench_step
+    return bench_step.doc_lengths("packed")
+
+
+CASES = {"packed8192": packed_lengths(), "bench_step": bench_step_lengths(), "4x2048": [2048] * 4}
 
 
 def fwd_flops(lengths, H, D):

@@ -417,6 +417,14 @@ _TABLES = {"fwd": _FWD_CONFIG, "dkdv": _DKDV_CONFIG, "dq": _DQ_CONFIG}
 #   (16, 8, 128): fwd 0.208 -> 0.176, dkdv 0.490 -> 0.446, dq 0.262 -> 0.244;
 #   (32, 8, 64):  fwd 0.214 -> 0.202, dkdv 0.699 -> 0.638, dq 0.222 -> 0.204 (packed; 4 x 2048 alike).
 # Runner-up configs within 3%: fwd (128, 128, 8, 3) at D=128, dkdv (32, 64, 4, 2) at D=64.
+# With the sorted backward walk (_SORTED below), `tools/attn_tune.py --tma --sweep --kernels
+# dkdv,dq` (backward ms summed over its three batches; 13 dk/dv and 10 dq configs a head dim): dkdv
+# stays (32, 64, 4, 2) at D=128 (1.478; next (64, 64, 4, 2) 1.567) and (64, 64, 4, 3) at D=64;
+# dq at D=128 (128, 64, 8, 3) 1.474 -> (64, 64, 4, 2) 1.424 (each batch 2-7% faster), at D=64
+# (64, 64, 4, 3) stays (1.744; next (64, 64, 4, 2) 1.774).
+_TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+               "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
+               "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}}
 # The walk's order (_work_item, _query_program). SORTED takes the documents longest first and puts
 # the heads on grid axis 0, so that every head's heaviest programs launch first; unsorted, the heads
 # are axis 1 and the last heads' heavy programs launch after every other head's items, and a dk/dv
@@ -429,9 +437,6 @@ _TABLES = {"fwd": _FWD_CONFIG, "dkdv": _DKDV_CONFIG, "dq": _DQ_CONFIG}
 # 0.826 -> 0.723 (the same bits). dq alone gains 0-4% from it. The forward's programs are short
 # (one head each): sorted it measured 3-10% slower at (32, 8, 128), within noise elsewhere.
 _SORTED = {"fwd": False, "dkdv": True, "dq": True}
-_TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
-               "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
-               "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}}
 _DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
 
 

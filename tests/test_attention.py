@@ -172,10 +172,10 @@ def _same_configs(size):
     import contextlib
     from unittest import mock
 
-    from lean.kernels import attention as A
+    from lean.kernels import attention_config as AC
     if size == "cpu":
         return contextlib.nullcontext()
-    return mock.patch.object(A, "_TMA_TABLES", A._TABLES)
+    return mock.patch.object(AC, "TMA_TABLES", AC.TABLES)
 
 
 @pytest.mark.parametrize("size", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -185,7 +185,7 @@ def test_attention_walk_orders_bit_equal(size):
     # batch of 150 documents (and 130 slots) takes the batch-order fallback of the sorted walk.
     from unittest import mock
 
-    from lean.kernels import attention as A
+    from lean.kernels import attention_config as AC
     if size == "cpu":
         cases = [([37, 1, 64, 13, 0, 50, 1, 31], 4, 2, 32), ([1, 2, 3] * 50, 2, 1, 32)]
     else:
@@ -195,10 +195,24 @@ def test_attention_walk_orders_bit_equal(size):
         q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g)
         runs = []
         for order in (True, False):
-            with mock.patch.dict(A._SORTED, fwd=order, dkdv=order, dq=order):
+            with mock.patch.dict(AC.SORTED, fwd=order, dkdv=order, dq=order):
                 runs.append(_run(q, k, v, do, cu, max(lengths), D ** -0.5))
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *runs):
             assert torch.equal(a, b), f"{name}: the sorted walk differs from the batch-order walk ({len(lengths)} docs)"
+
+
+def test_attention_gpu_config_tables(monkeypatch):
+    # The GPU branches of attention_config.config, checked on any machine: every head dim of the
+    # pointer and TMA tables gives blocks that nest (config raises otherwise) and comes from its table.
+    from lean.kernels import attention_config as AC
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for kernel in ("fwd", "dkdv", "dq"):
+        for block_d in (64, 128, 256):
+            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096) == AC.TABLES[kernel][block_d]
+        for block_d in (64, 128):
+            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096, tma=True) == AC.TMA_TABLES[kernel][block_d]
+        assert AC.config(kernel, 64, torch.float32, 8192, 4096) == AC.FP32_CONFIG[kernel]
+        assert AC.grid(kernel, 8, 100) == ((8, 100) if AC.SORTED[kernel] else (100, 8))
 
 
 def test_attention_tma_rejects_unfit_heads():

@@ -24,6 +24,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from lean.kernels import attention as A  # noqa: E402
+from lean.kernels import attention_config as AC  # noqa: E402
 
 HEADS = [(16, 8, 128), (32, 8, 64)]             # (H, KVH, D)
 SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of the chosen configs.
@@ -36,13 +37,13 @@ SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of th
     "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4, 2),
            (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3)],
 }
-TABLES = {"fwd": "_FWD_CONFIG", "dkdv": "_DKDV_CONFIG", "dq": "_DQ_CONFIG"}
-TMA = {"on": False}  # --tma: every lean call forced onto the TMA loops, the sweep edits _TMA_TABLES
+TABLES = {"fwd": "FWD_CONFIG", "dkdv": "DKDV_CONFIG", "dq": "DQ_CONFIG"}
+TMA = {"on": False}  # --tma: every lean call forced onto the TMA loops, the sweep edits TMA_TABLES
 
 
 def table(kernel):
     """The config dict (keyed by D) lean reads for `kernel` on the path being timed."""
-    return A._TMA_TABLES[kernel] if TMA["on"] else getattr(A, TABLES[kernel])
+    return AC.TMA_TABLES[kernel] if TMA["on"] else getattr(AC, TABLES[kernel])
 
 
 def packed_lengths(total=8192, mean=512, seed=0):

@@ -54,16 +54,16 @@ Caution:
       softmax at (m_i, l_i) = (sink * log2(e), 1) -- backward then reads the sink-inclusive lse as
       is, and only the sink's own gradient (-sum_i p_i,sink * delta_i) is new.
     * Block configs must nest (BLOCK_M % BLOCK_N == 0 for forward and dq, the reverse for dk/dv):
-      the unmasked loops stop at the diagonal block's start. _config checks it.
+      the unmasked loops stop at the diagonal block's start. attention_config.config checks it.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import tma_desc, tma_ok
+from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, grid, interpreting
+from lean.kernels.gemm import in_tma_at_every_size, tma_desc, tma_ok
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -96,7 +96,8 @@ def _work_item(t, cu_ptr, n_docs, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, LA
     hi = tl.load(cu_ptr + rb + 1, mask=rb < n_docs, other=0)
     nblk = (hi - lo + BLOCK - 1) // BLOCK                  # row blocks of each document (0 if empty)
     if SORTED and BLOCK_B <= 128:  # [b, c]: document c walks before b; first[b]: blocks walked before b's
-        before = (nblk[None, :] > nblk[:, None]) | ((nblk[None, :] == nblk[:, None]) & (rb[None, :] < rb[:, None]))
+        before = ((nblk[None, :] > nblk[:, None])
+                  | ((nblk[None, :] == nblk[:, None]) & (rb[None, :] < rb[:, None])))
         first = tl.sum(tl.where(before, nblk[None, :], 0), 1)
     else:
         first = tl.cumsum(nblk, 0) - nblk
@@ -375,99 +376,6 @@ def _attention_bwd_dq_kernel(
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-# ----------------------------------------------------------------------------------------------
-# launch configuration: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by the padded head dim.
-# Forward and dq need BLOCK_M % BLOCK_N == 0, dk/dv needs BLOCK_N % BLOCK_M == 0 (diagonal split).
-# Evidence: tools/attn_tune.py --sweep on an H100 (bf16, triton 3.6, two sweeps), time summed over
-# the packed N=8192 (exponential lengths, mean 512) and 4x2048 cases, H=16/KVH=8 (D=128) and
-# H=32/KVH=8 (D=64); every kernel timed with the others at their chosen configs:
-#   fwd  (64, 64, 4, 3): D=128 0.290 ms vs 0.314 (64, 32, 4, 3), 0.322 (64, 64, 4, 2),
-#                        0.324 (128, 64, 8, 3), 0.342 (128, 128, 8, 3), 0.426 (64, 64, 8, 3);
-#                        D=64  0.300 ms vs 0.310 (64, 64, 4, 2), 0.325 (128, 64, 8, 3).
-#   dkdv (bwd total)     D=128 (32, 64, 4, 2) 1.058 ms vs 1.116 (32, 64, 4, 3), 1.193 (16, 64, 4, 3),
-#                        1.217 (64, 64, 4, 2), 1.284 (32, 128, 8, 3), 1.805 (32, 64, 8, 3);
-#                        D=64  (32, 64, 4, 3) 1.255 ms vs 1.267 (32, 64, 4, 2), 1.361 (64, 64, 4, 2),
-#                        1.430 (32, 128, 4, 3).
-#   dq   (bwd total)     D=128 (64, 32, 4, 3) 1.119 ms ~ 1.120 (128, 64, 8, 3), 1.125 (64, 64, 4, 2),
-#                        vs 1.214 (64, 64, 4, 3), 1.605 (64, 32, 8, 3);
-#                        D=64  (64, 64, 4, 3) 1.255 ms ~ 1.247 (64, 64, 4, 2), vs 1.275 (64, 32, 4, 3).
-# Result (fwd+bwd, causal TFLOP/s, 3.5x fwd FLOPs): D=128 packed 144 vs torch flash varlen 102,
-# 4x2048 263 vs 210; D=64 packed 138 vs 93, 4x2048 228 vs 200 (fwd alone 194-360 vs 90-250),
-# measured with dkdv D=128 at (32, 64, 4, 3); (32, 64, 4, 2) was adopted from the same sweep after.
-# D=256 is untuned (small tiles that fit shared memory; tests pass on H100).
-_FWD_CONFIG = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
-_DKDV_CONFIG = {64: (32, 64, 4, 3), 128: (32, 64, 4, 2), 256: (16, 64, 8, 2)}
-_DQ_CONFIG = {64: (64, 64, 4, 3), 128: (64, 32, 4, 3), 256: (64, 16, 8, 2)}
-# fp32 (tests only; ieee dots run on CUDA cores, not tensor cores): small tiles that fit shared memory.
-_FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
-# Triton interpreter (CPU tests): small, unequal blocks so several blocks and a split diagonal run.
-_INTERPRET_CONFIG = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
-# Interpreter, model-sized heads (H * D >= 512; the tests' are at most 320): the interpreter's cost
-# is per program and per key/query step (~3-8 ms of Python each), not per score, so square blocks
-# that cover the longest document, up to 256. SmolLM2 (9 heads of 64), 8 documents of 53-67
-# tokens, fp32, 1 core, CPU time: fwd 2.4 s -> 0.86 s, bwd 4.3 s -> 1.4 s (128 x 128 blocks);
-# 64 x 64 blocks: 1.2 s and 2.0 s, 256 x 256: 0.88 s and 1.6 s.
-_INTERPRET_MAX_BLOCK = 256
-_TABLES = {"fwd": _FWD_CONFIG, "dkdv": _DKDV_CONFIG, "dq": _DQ_CONFIG}
-# The TMA loops (Hopper): the rows each loop step reads come through descriptors (the copy engine
-# fills shared memory; no per-row address or mask math). H100, bf16, kernel medians over bench
-# step's packed documents (11, max 3101) and 4 x 2048, pointer loops at their table configs above
-# -> TMA at these (the outputs bit-equal):
-#   (H, KVH, D) = (32, 8, 128): fwd 0.379 -> 0.318 ms, dkdv 0.958 -> 0.859, dq 0.468 -> 0.441;
-#   (16, 8, 128): fwd 0.208 -> 0.176, dkdv 0.490 -> 0.446, dq 0.262 -> 0.244;
-#   (32, 8, 64):  fwd 0.214 -> 0.202, dkdv 0.699 -> 0.638, dq 0.222 -> 0.204 (packed; 4 x 2048 alike).
-# Runner-up configs within 3%: fwd (128, 128, 8, 3) at D=128, dkdv (32, 64, 4, 2) at D=64.
-# With the sorted backward walk (_SORTED below), `tools/attn_tune.py --tma --sweep --kernels
-# dkdv,dq` (backward ms summed over its three batches; 13 dk/dv and 10 dq configs a head dim): dkdv
-# stays (32, 64, 4, 2) at D=128 (1.478; next (64, 64, 4, 2) 1.567) and (64, 64, 4, 3) at D=64;
-# dq at D=128 (128, 64, 8, 3) 1.474 -> (64, 64, 4, 2) 1.424 (each batch 2-7% faster), at D=64
-# (64, 64, 4, 3) stays (1.744; next (64, 64, 4, 2) 1.774).
-_TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
-               "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
-               "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}}
-# The walk's order (_work_item, _query_program). SORTED takes the documents longest first and puts
-# the heads on grid axis 0, so that every head's heaviest programs launch first; unsorted, the heads
-# are axis 1 and the last heads' heavy programs launch after every other head's items, and a dk/dv
-# program (a key block of one kv head, its G query heads inside: the longest program of the
-# kernel) can then start late and run alone at the end. H100, bf16, TMA loops, the graph's 64
-# document slots, backward (delta + dk/dv + dq) unsorted -> sorted: (32, 8, 128) 1.289 -> 1.078 ms
-# on bench step's documents (11, max 3101), 1.086 -> 0.880 and 0.748 -> 0.646 on bench_offload's
-# two batches (18 each), 1.298 -> 1.168 on 4 x 2048; (16, 8, 128) 0.699 -> 0.550, 0.582 -> 0.457,
-# 0.403 -> 0.343, 0.679 -> 0.601; (32, 8, 64) 0.857 -> 0.669, 0.700 -> 0.544, 0.478 -> 0.400,
-# 0.826 -> 0.723 (the same bits). dq alone gains 0-4% from it. The forward's programs are short
-# (one head each): sorted it measured 3-10% slower at (32, 8, 128), within noise elsewhere.
-_SORTED = {"fwd": False, "dkdv": True, "dq": True}
-_DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
-
-
-def _interpreting():
-    return os.environ.get("TRITON_INTERPRET") == "1"  # read at launch: tests set it before use
-
-
-def _config(kernel, block_d, dtype, max_seqlen, width, tma=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); width = H * D."""
-    if _interpreting() and width >= 512:
-        b = min(_INTERPRET_MAX_BLOCK, max(16, triton.next_power_of_2(max_seqlen)))
-        cfg = (b, b, 1, 1)
-    elif _interpreting():
-        cfg = _INTERPRET_CONFIG[kernel]
-    elif dtype == torch.float32:
-        cfg = _FP32_CONFIG[kernel]
-    elif tma:
-        cfg = _TMA_TABLES[kernel][block_d]
-    else:
-        cfg = _TABLES[kernel][max(64, block_d)]
-    q_block, k_block = cfg[:2]
-    if (k_block % q_block) if kernel == "dkdv" else (q_block % k_block):  # the diagonal split
-        raise ValueError(f"attention {kernel} config {cfg}: the query and key blocks must nest "
-                         "(BLOCK_N % BLOCK_M == 0 for dkdv, BLOCK_M % BLOCK_N == 0 otherwise)")
-    return cfg
-
-
-def _grid(kernel, heads, items):
-    return (heads, items) if _SORTED[kernel] else (items, heads)
-
-
 def _n_items(N, B, max_seqlen, block):
     """Grid axis 1 of the _work_item walk: the documents' blocks of `block` rows number at most
     cdiv(N, block) + B in all, and at most cdiv(max_seqlen, block) per document."""
@@ -488,7 +396,7 @@ def _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale):
           last_contiguous=True)
     N, H, D = q.shape
     dev = q.device
-    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+    if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
         raise ValueError(f"q: expected a cuda device (cpu only under TRITON_INTERPRET=1), got {dev}")
     check(k, "k", shape=(N, None, D), dtype=q.dtype, device=dev, last_contiguous=True)
     KVH = k.shape[1]
@@ -526,11 +434,13 @@ def _use_tma(tma, D, *tensors):
     made eager Qwen3-0.6B 19% slower (92,590 -> 74,611 tok/s; its graph 103,145 -> 104,474).
     True forces them (D a power of two, packed heads: the interpreter runs them in the CPU tests);
     False never."""
+    if tma is False or (tma is None and not in_tma_at_every_size()):  # eager: no views built
+        return False
     views = [_rows_2d(t) for t in tensors]
     fits = all(v is not None for v in views) and D == triton.next_power_of_2(D)
-    if tma is None:   # macs=0: only where tma_at_every_size waives the size rule (a captured step)
+    if tma is None:
         return fits and D in (64, 128) and tma_ok(*views, macs=0)
-    if tma and not fits:
+    if not fits:
         raise ValueError(f"attention tma=True needs a power-of-two head dim (got {D}) and each row's "
                          "heads packed (stride(1) == D)")
     return bool(tma)
@@ -552,16 +462,16 @@ def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, tma=None):
     if N == 0:
         return
     use_tma = _use_tma(tma, D, k, v)
-    BLOCK_M, BLOCK_N, warps, stages = _config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     B = cu_seqlens.shape[0] - 1
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_fwd_kernel[_grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
+    _attention_fwd_kernel[grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         o, lse, q, k_src, v_src, cu_seqlens,
         o.stride(0), o.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, SORTED=_SORTED["fwd"],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, SORTED=SORTED["fwd"],
         num_warps=warps, num_stages=stages)
 
 
@@ -582,30 +492,30 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
     B = cu_seqlens.shape[0] - 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
-    block_r = _DELTA_BLOCK_R
-    if _interpreting() and H * D >= 512:  # model-sized: few programs of up to 2^17 elements
+    block_r = DELTA_BLOCK_R
+    if interpreting() and H * D >= 512:  # model-sized: few programs of up to 2^17 elements
         block_r = max(16, min(triton.next_power_of_2(N), 2**17 // BLOCK_D))
     _attention_bwd_delta_kernel[(triton.cdiv(N, block_r), H)](
         delta, do, o, do.stride(0), do.stride(1), o.stride(0), o.stride(1), N,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, num_warps=4)
 
     use_tma = _use_tma(tma, D, q, k, v, do)
-    BLOCK_M, BLOCK_N, warps, stages = _config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
-    _attention_bwd_dkdv_kernel[_grid("dkdv", KVH, _n_items(N, B, max_seqlen, BLOCK_N))](
+    _attention_bwd_dkdv_kernel[grid("dkdv", KVH, _n_items(N, B, max_seqlen, BLOCK_N))](
         dk, dv, do_src, q_src, k, v, lse, delta, cu_seqlens,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=_SORTED["dkdv"], num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dkdv"], num_warps=warps, num_stages=stages)
 
-    BLOCK_M, BLOCK_N, warps, stages = _config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_bwd_dq_kernel[_grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
+    _attention_bwd_dq_kernel[grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
         dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=_SORTED["dq"], num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dq"], num_warps=warps, num_stages=stages)

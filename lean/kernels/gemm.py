@@ -244,6 +244,11 @@ def tma_at_every_size():
         _TMA_MIN["macs"] = old
 
 
+def in_tma_at_every_size():
+    """True inside tma_at_every_size (a step being captured or warmed up for capture)."""
+    return _TMA_MIN["macs"] == 0
+
+
 def tma_ok(*tensors, macs):
     """True when a TMA main loop should run: at least TMA_MIN_MACS multiply-adds (0 inside
     tma_at_every_size), a Hopper GPU (never the interpreter) and 2-D 16-bit tensors with a unit

@@ -182,7 +182,7 @@ def _same_configs(size):
 def test_attention_walk_orders_bit_equal(size):
     # The programs' order (documents longest first or in batch order, heads on either grid axis)
     # changes nothing but the launch order: every kernel either way gives the same bits. The
-    # batch of 150 documents (and 130 slots) takes the batch-order fallback of the sorted walk.
+    # CPU batch of 150 documents takes the sorted walk's batch-order fallback (over 128 slots).
     from unittest import mock
 
     from lean.kernels import attention_config as AC

@@ -31,6 +31,7 @@ def _check_steps(P, gdtype, weight_decay, clip, lrs, g, lowp=True, params_scale=
     grad_norm = torch.empty(1, device=DEVICE)  # (1,)
     params_lowp = torch.empty(P, dtype=LOWP, device=DEVICE) if lowp else None  # (P,)
     hyper = torch.empty(2, device=DEVICE)  # (2,) [lr, t], rewritten in place like a graph replay
+    term_scale = 0.0  # max |clipped grad| so far
     for t, (lr, grad) in enumerate(zip(lrs, grads), start=1):
         hyper.copy_(torch.tensor([lr, t], dtype=torch.float32))
         poison(grad_norm, params_lowp)
@@ -38,7 +39,10 @@ def _check_steps(P, gdtype, weight_decay, clip, lrs, g, lowp=True, params_scale=
         ref_norm = ref.step(grad, lr)
 
         assert_close_rule(grad_norm, ref_norm, name=f"grad_norm t={t}")
-        assert_close_rule(m, ref.m, name=f"m t={t}")
+        # m sums signed terms (1 - b1) b1^(t-i) g_i that can cancel (P = 1, clipped: -0.73 + 0.81
+        # + 0.90 - 1.00), so its rounding scales with the terms it summed, max|g_i|, not with |m|.
+        term_scale = max(term_scale, ref.p.grad.abs().max().item())
+        assert_close_rule(m, ref.m, atol=1e-5 * term_scale, name=f"m t={t}")
         assert_close_rule(v, ref.v, name=f"v t={t}")
         assert_close_rule(params, ref.p, name=f"params t={t}")
         # The update itself, much smaller than params: each side rounds p once per step (<= 1 ulp

@@ -198,6 +198,19 @@ def test_missing_path_and_empty_folder(tmp_path):
         data.load_records(tmp_path / "nope")
     with pytest.raises(DataError, match="holds no data file"):
         data.load_records(tmp_path)
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(DataError, match=r"no records in 1 file\(s\) \(empty, or blank lines only\)"):
+        data.load_records(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["latin1.jsonl", "latin1.json", "latin1.txt"])
+def test_not_utf8_names_file_and_line(tmp_path, name):
+    body = {".jsonl": b'{"text": "a"}\n{"text": "caf\xe9"}\n', ".json": b'[\n{"text": "a"},\n{"text": "caf\xe9"}\n]',
+            ".txt": b"first line\ncaf\xe9\n"}[name[name.index("."):]]
+    (tmp_path / name).write_bytes(body)
+    line = 3 if name.endswith(".json") else 2
+    with pytest.raises(DataError, match=rf"{name}:{line}: not UTF-8 text \(byte 0xe9\): save the file as UTF-8"):
+        data.load_records(tmp_path)
 
 
 # ---- records -> documents ---------------------------------------------------------------------
@@ -269,6 +282,13 @@ def test_zero_targets_raises_naming_file(tok, tmp_path):
     msgs = [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "yes"}]
     f.write_text(json.dumps({"messages": msgs}) + "\n")
     with pytest.raises(DataError, match=r"long_prompts.jsonl: no token carries a loss.*1 truncated.*max_len"):
+        data.tokenize_records(data.load_records(f), tok, max_len=32)
+
+
+def test_empty_texts_say_so(tok, tmp_path):
+    f = tmp_path / "empty_texts.jsonl"
+    f.write_text('{"text": ""}\n{"text": ""}\n')
+    with pytest.raises(DataError, match=r"empty_texts.jsonl: no token carries a loss.*fewer than 2 tokens \(empty\?\)"):
         data.tokenize_records(data.load_records(f), tok, max_len=32)
 
 

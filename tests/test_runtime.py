@@ -46,6 +46,8 @@ def test_qwen3_config_fields():
     ({"hidden_act": "gelu"}, "silu"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope type 'dynamic'"),
     ({"use_sliding_window": True}, "sliding-window"),
+    ({"hidden_size": None}, "hidden_size=None is not an integer"),
+    ({"vocab_size": "many"}, "vocab_size='many' is not an integer"),
 ])
 def test_config_refusals(patch, match):
     cfg = tiny_config("qwen2").to_dict()
@@ -112,6 +114,20 @@ def test_load_errors(tmp_path, qwen3_dir):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(lean.UnsupportedModelError, match="unsupported architecture"):
         lean.load_model(d, device=DEVICE)
+    for key in ("hidden_size", "num_hidden_layers"):  # an incomplete config.json names the file and key
+        d = variant(f"no-{key}", full)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg[key]
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(lean.UnsupportedModelError, match=f"config.json: no '{key}'.*re-download"):
+            lean.load_model(d, device=DEVICE)
+    sharded = variant("sharded", full)
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(lean.ModelLoadError, match="index.json is broken.*re-download"):
+        lean.load_model(sharded, device=DEVICE)
+    (sharded / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(lean.ModelLoadError, match="index.json is broken.*weight_map.*re-download"):
+        lean.load_model(sharded, device=DEVICE)
 
 
 # ---- batch descriptor ----------------------------------------------------------------------------

@@ -58,6 +58,16 @@ def _refuse(msg):
     raise UnsupportedModelError(msg)
 
 
+def _int(cfg, key):
+    """cfg[key] as an int; UnsupportedModelError naming the key when it is missing or not a number."""
+    try:
+        return int(cfg[key])
+    except KeyError:
+        _refuse(f"no {key!r}: the config is incomplete; re-download the model")
+    except (TypeError, ValueError):
+        _refuse(f"{key}={cfg[key]!r} is not an integer; re-download the model")
+
+
 def config_from_hf(cfg: dict) -> ModelConfig:
     """Parse a config.json dict. Raises UnsupportedModelError naming the unsupported value."""
     archs = cfg.get("architectures") or []
@@ -70,8 +80,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             f"unsupported architecture {archs or model_type!r}: lean supports "
             f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3)"
         )
-    hidden = int(cfg["hidden_size"])
-    n_heads = int(cfg["num_attention_heads"])
+    hidden = _int(cfg, "hidden_size")
+    n_heads = _int(cfg, "num_attention_heads")
     n_kv = int(cfg.get("num_key_value_heads") or n_heads)
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
     if n_heads % n_kv:
@@ -111,12 +121,12 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     return ModelConfig(
         arch=arch,
         hidden=hidden,
-        n_layers=int(cfg["num_hidden_layers"]),
+        n_layers=_int(cfg, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate=int(cfg["intermediate_size"]),
-        vocab=int(cfg["vocab_size"]),
+        intermediate=_int(cfg, "intermediate_size"),
+        vocab=_int(cfg, "vocab_size"),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         # transformers 4.x omits the key when it equals PretrainedConfig's default (True).
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),

@@ -86,6 +86,9 @@ def load_records(path) -> list:
     records = []
     for f in files:
         records.extend(_read_file(f))
+    if not records:
+        raise DataError(f"{path}: no records in {len(files)} file(s) (empty, or blank lines only): "
+                        "add examples, or point --data at the files that hold them")
     return records
 
 
@@ -102,7 +105,7 @@ def _read_file(f: Path) -> list:
     if suffix == ".jsonl":
         return _read_jsonl(f)
     if suffix == ".txt":
-        text = f.read_text(encoding="utf-8")
+        text = _text(f)
         if not text.strip():
             raise DataError(f"{f}: the text file is empty: remove it or give it text")
         return [Record("text", f"{f}:1", text=text)]
@@ -114,10 +117,21 @@ def _read_file(f: Path) -> list:
                     f"{', '.join(SUFFIXES)}; rename the file or move it out of the data folder")
 
 
+def _text(f: Path, data: bytes = None, first_line: int = 1) -> str:
+    """f's bytes (or data, f's line first_line on) as UTF-8; DataError naming the line if they are not."""
+    data = f.read_bytes() if data is None else data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        raise DataError(f"{f}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}): save the file as UTF-8") from None
+
+
 def _read_jsonl(f: Path) -> list:
     records = []
-    with open(f, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(f, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = _text(f, raw, lineno)
             if not line.strip():
                 continue
             try:
@@ -131,7 +145,7 @@ def _read_jsonl(f: Path) -> list:
 
 def _load_json(f: Path):
     try:
-        return json.loads(f.read_text(encoding="utf-8"))
+        return json.loads(_text(f))
     except json.JSONDecodeError as e:
         raise DataError(f"{f}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}): fix the "
                         "file (a JSON list of records, or use .jsonl for one record per line)") from e
@@ -140,7 +154,7 @@ def _load_json(f: Path):
 def _load_yaml(f: Path):
     import yaml
     try:
-        return yaml.safe_load(f.read_text(encoding="utf-8"))
+        return yaml.safe_load(_text(f))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -284,9 +298,11 @@ def tokenize_records(records, tok, *, max_len: int, stats: dict = None) -> list:
 def _no_target_message(records, max_len, counts) -> str:
     files = sorted({r.source.split(":")[0].split("[")[0] for r in records})
     shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-    return (f"{shown}: no token carries a loss after tokenizing {counts['records']} records "
-            f"({counts['truncated']} truncated at max_len={max_len}, {counts['dropped']} dropped): "
-            "likely max_len is too small, so every chat is cut before its first assistant reply "
+    head = (f"{shown}: no token carries a loss after tokenizing {counts['records']} records "
+            f"({counts['truncated']} truncated at max_len={max_len}, {counts['dropped']} dropped): ")
+    if all(r.kind == "text" for r in records):  # a text's every token after the first is a target
+        return head + "every text tokenizes to fewer than 2 tokens (empty?): give the records text"
+    return (head + "likely max_len is too small, so every chat is cut before its first assistant reply "
             "(raise max_len), or the chat template renders no assistant text")
 
 

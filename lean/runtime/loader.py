@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.config import config_from_hf
+from ..models.config import UnsupportedModelError, config_from_hf
 from ..models.weights import IGNORED_SUFFIXES, empty_model
 
 # What a training run needs from a hub repository: config, weights, tokenizer and chat template.
@@ -54,13 +54,21 @@ def read_config(model_dir: Path):
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}): re-download the model") from e
-    return config_from_hf(raw)
+    try:
+        return config_from_hf(raw)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{cfg_path}: {e}") from None
 
 
 def shard_files(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise ValueError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:  # bad JSON, no weight_map, not a dict
+            raise ModelLoadError(f"{index} is broken ({type(e).__name__}: {e}): re-download the model") from e
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).exists()]
         if missing:

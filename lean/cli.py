@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--save-every", type=int, default=None, help="checkpoint every N steps (0: on interrupt only)")
     a("--heldout", type=float, default=None, help="held-out fraction of the documents")
     a("--resume", action="store_true", help="continue from --out/checkpoint")
+    a("--overwrite", action="store_true", help="start over in an --out that holds an earlier run (deletes "
+      "its checkpoint, metrics and adapter); without it lean-train refuses such a folder")
     a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
     a("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
     a("--quiet", action="store_true", help="no progress bar, report or samples printed")
@@ -105,7 +107,7 @@ def config_from_args(args):
         model=args.model or default_model(), data=args.data or str(default_dataset()), out_dir=args.out,
         grad_accum=args.grad_accum, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, dropout=args.dropout, targets=targets,
-        seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume,
+        seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume, overwrite=args.overwrite,
         progress=not args.quiet, sample_prompt=args.sample_prompt,
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph, **recipe)
 

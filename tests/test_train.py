@@ -1,8 +1,10 @@
 """lean-train's loop on a tiny random Llama (2 layers, hidden 64) with a WordLevel tokenizer.
 
-Covers: the held-out loss goes down; 3 steps + interrupt + resume == 6 uninterrupted steps (exact
-per-step losses); a failing checkpoint write leaves the previous checkpoint loadable; a NaN loss
-raises naming the step; the CLI parses and runs. CPU through the Triton interpreter: slow, so the
+Covers: the held-out loss goes down; 3 steps + interrupt (inside a step or after one) + resume
+== 6 uninterrupted steps (exact per-step losses); a failing checkpoint write leaves the previous
+checkpoint loadable, a finished one is flushed, an unreadable one is named or falls back; NaN/inf
+and OOM errors name the step and keep the last good checkpoint; a fresh run refuses an earlier
+run's folder; the CLI parses and runs. CPU through the Triton interpreter: slow, so the
 runs are few and short (about 1.5 s a step).
 """
 import json
@@ -134,6 +136,70 @@ def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch):
     assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]  # exact on CPU
 
 
+def test_interrupt_after_a_step_resumes_exactly(full_run, setup, monkeypatch):
+    """A Ctrl-C in the held-out evaluation after step 2 (the step complete, its position counted)
+    checkpoints step 2 at step 2's data position; the resumed losses equal the uninterrupted run's."""
+    cfg_full, _ = full_run
+    cfg = _cfg(setup, "resumed-eval", seed=7, eval_every=2)
+    calls = {"n": 0}
+    real = T.evaluate
+
+    def interrupt_second_eval(*a, **k):  # the first is the one before training
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "evaluate", interrupt_second_eval)
+    with pytest.raises(KeyboardInterrupt, match="after step 2.*--resume"):
+        T.train(cfg)
+    monkeypatch.setattr(T, "evaluate", real)
+    state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
+    assert (state["step"], state["batch_index"], state["lora_steps"]) == (2, 2, 2)
+    cfg.resume = True
+    T.train(cfg)
+    full, resumed = _metrics(T.Path(cfg_full.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
+    assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]
+
+
+def test_out_of_memory_mid_run_saves_the_completed_steps(setup, monkeypatch):
+    cfg = _cfg(setup, "oom-mid", steps=4)
+    real, calls = T.forward_backward, {"n": 0}
+
+    def oom_at_step_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "forward_backward", oom_at_step_3)
+    with pytest.raises(T.TrainError, match="out of GPU memory.*saved in .*checkpoint.*--resume"):
+        T.train(cfg)
+    state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
+    assert (state["step"], state["batch_index"], state["lora_steps"]) == (2, 2, 2)
+
+
+def test_fresh_run_refuses_an_earlier_runs_folder(setup):
+    cfg = _cfg(setup, "again", steps=1)
+    T.train(cfg)
+    with pytest.raises(T.TrainError, match="holds an earlier run \\(metrics.jsonl, adapter.*\\): pass --resume.*--overwrite"):
+        T.train(cfg)
+    (T.Path(cfg.out_dir) / "checkpoint.tmp-999999").mkdir()  # a save killed mid-write
+    cfg.overwrite, cfg.steps = True, 2
+    T.train(cfg)
+    assert sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]  # the earlier run's lines are gone
+    assert not list(T.Path(cfg.out_dir).glob("checkpoint.tmp-*"))
+
+
+def test_resume_refuses_other_documents(setup, tmp_path):
+    cfg = _cfg(setup, "other-docs", steps=2)
+    T.Path(cfg.out_dir).mkdir()
+    T.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), T._state(cfg, 1, 0, 1, 1, fingerprint="0123456789abcdef"))
+    cfg.resume = True
+    with pytest.raises(T.TrainError, match="other training documents.*0123456789abcdef vs now [0-9a-f]{16}"):
+        T.train(cfg)
+
+
 def test_resume_refuses_other_settings(full_run):
     cfg, _ = full_run
     T.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), T._state(cfg, 1, 0, 1, 1))
@@ -175,6 +241,68 @@ def test_checkpoint_is_atomic(setup, monkeypatch):
     assert T.checkpoint_dir(cfg.out_dir).name == "checkpoint.old"
 
 
+def test_checkpoint_is_flushed_before_the_old_one_goes(setup, monkeypatch):
+    """Every file of the new checkpoint and its folders reach the disk (fsync) before the renames,
+    and the renames before checkpoint.old is deleted."""
+    cfg = _cfg(setup, "fsync")
+    lora, opt = _lora_opt(cfg)
+    out = T.Path(cfg.out_dir)
+    T.save_checkpoint(out, lora, opt, T._state(cfg, 1, 0, 1, 1))
+    synced, real = [], T._fsync
+
+    def record(p):
+        synced.append((p.relative_to(out).as_posix() if p != out else ".", (out / "checkpoint.old").exists()))
+        real(p)
+
+    monkeypatch.setattr(T, "_fsync", record)
+    T.save_checkpoint(out, lora, opt, T._state(cfg, 2, 0, 2, 2))
+    names = [n.split("/", 1)[-1] if n.startswith("checkpoint.tmp-") else n for n, _ in synced]
+    assert {"state.json", "state.safetensors", "adapter/adapter_model.safetensors",
+            "adapter/adapter_config.json", "adapter"} <= set(names), names
+    assert names[-1] == "." and synced[-1][1], "the folder's renames are flushed while checkpoint.old still exists"
+    assert not (out / "checkpoint.old").exists()
+
+
+def test_unreadable_checkpoint_names_the_file_or_falls_back(setup):
+    cfg = _cfg(setup, "corrupt")
+    lora, opt = _lora_opt(cfg)
+    out = T.Path(cfg.out_dir)
+    T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))
+    blob = (out / "checkpoint" / "state.safetensors").read_bytes()
+    (out / "checkpoint" / "state.safetensors").write_bytes(blob[:len(blob) // 2])
+    with pytest.raises(T.TrainError, match="state.safetensors is unreadable.*delete .*checkpoint and start again"):
+        T.load_checkpoint(out, cfg, *_lora_opt(cfg))
+    (out / "checkpoint" / "state.json").write_text("")
+    with pytest.raises(T.TrainError, match="state.json is unreadable"):
+        T.load_checkpoint(out, cfg, *_lora_opt(cfg))
+    T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))  # a good checkpoint.old beside a
+    T.shutil.copytree(out / "checkpoint", out / "checkpoint.old")  # broken checkpoint: resumed from
+    (out / "checkpoint" / "state.json").write_text(json.dumps({"step": 4}))
+    assert T.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
+
+
+def test_nonfinite_grad_norm_names_the_step(setup, monkeypatch):
+    """A finite loss with an inf gradient: the error comes before step 2's checkpoint, so the last
+    one (step 1) keeps finite parameters."""
+    cfg = _cfg(setup, "inf-grad", steps=3, save_every=1)
+    real, calls = T.forward_backward, {"n": 0}
+
+    def inf_grads_at_step_2(model, lora, *a, **k):
+        calls["n"] += 1
+        out = real(model, lora, *a, **k)
+        if calls["n"] == 2:
+            lora.grads.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(T, "forward_backward", inf_grads_at_step_2)
+    with pytest.raises(T.TrainError, match="grad norm is (inf|nan) at step 2.*untouched"):
+        T.train(cfg)
+    ckpt = T.Path(cfg.out_dir) / "checkpoint"
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 1
+    from safetensors.torch import load_file
+    assert T.torch.isfinite(load_file(str(ckpt / "state.safetensors"))["params"]).all()
+
+
 def test_nan_loss_names_the_step(setup, monkeypatch):
     cfg = _cfg(setup, "nan", steps=3, save_every=1)
     real = T.forward_backward
@@ -212,7 +340,7 @@ def test_cli_parses_and_runs(setup, capsys):
     assert "done: step 2" in capsys.readouterr().out
     assert sorted(_metrics(out, "train")) == [1, 2]
     assert (out / "merged" / "model.safetensors").exists() and (out / "merged" / "tokenizer.json").exists()
-    assert main(["--model", str(root / "missing"), "--data", str(data), "--out", str(out)]) == 2
+    assert main(["--model", str(root / "missing"), "--data", str(data), "--out", str(root / "cli-missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -18,18 +18,22 @@ Outputs in out_dir:
                   "loss", "targets"}; appended to on resume
   checkpoint/     adapter/ (PEFT layout), state.safetensors (LoRA params, AdamW m and v, fp32) and
                   state.json (step, data position, LoRA dropout counter, python/numpy RNG states,
-                  the config); written as checkpoint.tmp-<pid> and renamed into place, the previous
-                  checkpoint kept as checkpoint.old until the new one is complete
+                  the config, the training documents' fingerprint); written as checkpoint.tmp-<pid>,
+                  flushed to the disk (fsync) and renamed into place, the previous checkpoint kept
+                  as checkpoint.old until the renames are on the disk
   adapter/        the final adapter (PEFT layout: PeftModel.from_pretrained loads it)
 
 Resume (`resume=True`) restores the checkpoint and continues with the same batches in the same
 order, the same dropout seeds and the same optimizer state: the per-step losses equal those of an
-uninterrupted run (bit for bit on CPU). The config fields that shape the run must match.
+uninterrupted run (bit for bit on CPU). The config fields that shape the run and the training
+documents must match; an unreadable checkpoint falls back to checkpoint.old where one is left.
+A fresh run refuses an out_dir that holds an earlier run (`overwrite=True` deletes it first).
 
-Errors are TrainError naming the cause and the fix: a NaN/inf loss (names the step; the last
-checkpoint is left untouched), CUDA out of memory (lower --max-tokens), a checkpoint that does
-not match the config. KeyboardInterrupt saves a checkpoint at the last completed step and is
-re-raised with a message on how to resume.
+Errors are TrainError naming the cause and the fix: a NaN/inf loss, grad norm or held-out loss
+(names the step; raised before anything of it is saved, so the last checkpoint stays good), out of
+memory (lower --max-tokens; in the loop the completed steps are checkpointed first), a checkpoint
+that does not match the config or cannot be read. KeyboardInterrupt saves a checkpoint at the
+last completed step and is re-raised with a message on how to resume.
 Caution: an interrupt that lands inside the optimizer update cannot be checkpointed safely; the
 previous checkpoint is kept and the message says so.
 Before and after training it prints the held-out loss and a greedy sample answer to a fixed
@@ -42,8 +46,9 @@ tokens in GRAPH_DOCS document slots); a batch of more documents than that runs e
 VRAM budget the graph is dropped first: its memory and an eager step's would not both fit, and
 the run goes on eagerly). The graph's GEMMs may differ from the eager step's in the last bit
 (graph.py's Cautions); `--no-graph` runs every step eagerly.
-Tested: tests/test_train.py (loss goes down, resume == uninterrupted, atomic checkpoint, NaN
-error, CLI; on the GPU the graph run against the eager one).
+Tested: tests/test_train.py (loss goes down, resume == uninterrupted after an interrupt inside
+or between steps, atomic and flushed checkpoints, NaN/inf errors, OOM, the out_dir guard, CLI;
+on the GPU the graph run against the eager one).
 """
 import json
 import math
@@ -103,6 +108,7 @@ class TrainConfig:
     dtype: str = None             # float32 / bfloat16 / float16; None: bf16 on cuda, fp32 on cpu
     device: str = None            # None: cuda if available, else cpu
     resume: bool = False
+    overwrite: bool = False       # start over in an out_dir that holds an earlier run (its files go)
     progress: bool = True         # the progress bar and the before/after report
     sample_prompt: str = "What is your name?"  # greedy sample before and after training
     sample_tokens: int = 32       # new tokens per sample (0: no samples)
@@ -140,6 +146,40 @@ def build_data(cfg, tok):
         raise TrainError(f"{cfg.data}: no training document left after holding out "
                          f"{cfg.heldout_fraction:.0%}: add data or lower the held-out fraction")
     return train_docs, heldout, stats
+
+
+def data_fingerprint(docs) -> str:
+    """A short hash of the training documents' tokens and loss masks: a resumed run must train on
+    the same ones (a path can move; the documents must not change)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for ids, mask in docs:
+        h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
+        h.update(len(ids).to_bytes(8, "little"))
+    return h.hexdigest()[:16]
+
+
+EARLIER_RUN = (CHECKPOINT, f"{CHECKPOINT}.old", METRICS, "adapter", "tb", "merged")
+
+
+def prepare_out_dir(cfg) -> Path:
+    """out_dir, made ready: a fresh run refuses a folder that holds an earlier run (its checkpoint
+    and metrics would be mixed with this one's) unless cfg.overwrite, which deletes that run's
+    files first; a checkpoint.tmp-* left by a killed save is removed."""
+    out = Path(cfg.out_dir)
+    earlier = [out / n for n in EARLIER_RUN if (out / n).exists()]
+    if earlier and not cfg.resume:
+        if not cfg.overwrite:
+            raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in earlier)}): pass --resume "
+                             "to continue it, --overwrite to delete it and start over, or another --out")
+        for p in earlier:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob(f"{CHECKPOINT}.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    return out
 
 
 def lr_at(step, cfg) -> float:
@@ -181,8 +221,21 @@ def evaluate(model, lora, batches) -> tuple:
 
 # ---------------------------------------------------------------- checkpoints
 
+def _fsync(path):
+    """Flush a file, or a folder's entries (POSIX), to the disk: after a power loss the renamed
+    checkpoint holds complete files, never empty ones."""
+    if path.is_dir() and os.name != "posix":
+        return  # folders cannot be opened for fsync there; the files still are
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(out_dir, lora, opt, state: dict):
-    """Write out_dir/checkpoint atomically: a temp folder, then renamed into place."""
+    """Write out_dir/checkpoint atomically: a temp folder, flushed to the disk, then renamed into
+    place; the previous checkpoint (checkpoint.old meanwhile) goes only once the renames are on disk."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -195,10 +248,13 @@ def save_checkpoint(out_dir, lora, opt, state: dict):
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # sync: save point
         save_file(tensors, str(tmp / "state.safetensors"))
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:  # files before their folders
+            _fsync(p)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)  # keep the last good one until the new one is in place
         os.replace(tmp, final)
+        _fsync(out_dir)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,29 +262,73 @@ def save_checkpoint(out_dir, lora, opt, state: dict):
     return final
 
 
-def checkpoint_dir(out_dir) -> Path:
-    """The checkpoint folder; checkpoint.old if a save died between its two renames."""
+def checkpoint_dirs(out_dir) -> list:
+    """The checkpoint folders to resume from, newest first: checkpoint, and checkpoint.old where a
+    save died between its two renames."""
     out_dir = Path(out_dir)
-    for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
-        if (out_dir / name / "state.json").is_file():
-            return out_dir / name
-    raise TrainError(f"--resume: no checkpoint in {out_dir} (expected {out_dir / CHECKPOINT}/state.json): "
-                     "run without --resume, or pass the --out folder of the interrupted run")
+    found = [out_dir / n for n in (CHECKPOINT, f"{CHECKPOINT}.old") if (out_dir / n / "state.json").is_file()]
+    if not found:
+        raise TrainError(f"--resume: no checkpoint in {out_dir} (expected {out_dir / CHECKPOINT}/state.json): "
+                         "run without --resume, or pass the --out folder of the interrupted run")
+    return found
 
 
-def load_checkpoint(out_dir, cfg, lora, opt) -> dict:
-    """Restore params, AdamW state, the dropout counter and RNG states; return state.json."""
+def checkpoint_dir(out_dir) -> Path:
+    """The newest checkpoint folder (see checkpoint_dirs)."""
+    return checkpoint_dirs(out_dir)[0]
+
+
+STATE_KEYS = ("step", "epoch", "batch_index", "lora_steps", "python_rng", "numpy_rng", "config")
+
+
+def _read_checkpoint(d) -> tuple:
+    """(state.json, state.safetensors' tensors) of one checkpoint folder; TrainError naming the
+    file when either is unreadable or incomplete."""
     from safetensors.torch import load_file
 
-    d = checkpoint_dir(out_dir)
-    state = json.loads((d / "state.json").read_text())
+    try:
+        state = json.loads((d / "state.json").read_text())
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except (OSError, ValueError) as e:
+        raise TrainError(f"{d / 'state.json'} is unreadable ({e})") from e
+    try:
+        t = load_file(str(d / "state.safetensors"))
+        missing = [k for k in ("params", "m", "v") if k not in t]
+        if missing:
+            raise ValueError(f"no tensor {', '.join(missing)}")
+    except Exception as e:  # safetensors raises its own SafetensorError on a truncated file
+        raise TrainError(f"{d / 'state.safetensors'} is unreadable ({e})") from e
+    return state, t
+
+
+def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
+    """Restore params, AdamW state, the dropout counter and RNG states; return state.json. An
+    unreadable checkpoint falls back to checkpoint.old where one is left; fingerprint (the training
+    documents', see data_fingerprint) must match the checkpoint's when both have one."""
+    errors = []
+    for d in checkpoint_dirs(out_dir):
+        try:
+            state, t = _read_checkpoint(d)
+            break
+        except TrainError as e:
+            errors.append(str(e))
+    else:
+        raise TrainError(f"--resume: {'; '.join(errors)}: restore the folder from a copy, or delete "
+                         f"{Path(out_dir) / CHECKPOINT} and start again without --resume")
+    if errors:
+        print(f"lean-train: {errors[0]}: resuming from {d} instead (one save earlier)", flush=True)
     saved, now = state["config"], asdict(cfg)
     diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
     if diff:
         shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
         raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
                          "settings to resume, or start a new run with another --out")
-    t = load_file(str(d / "state.safetensors"))
+    if fingerprint is not None and state.get("data") not in (None, fingerprint):
+        raise TrainError(f"{d}: the checkpoint was made on other training documents (data {cfg.data}, "
+                         f"fingerprint {state['data']} vs now {fingerprint}): resume with the run's data, "
+                         "or start a new run with another --out")
     if t["params"].numel() != lora.params.numel():
         raise TrainError(f"{d}: the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
                          f"{lora.params.numel()}: another model? Start a new run with another --out")
@@ -260,26 +360,32 @@ def train(cfg: TrainConfig) -> dict:
     device, dtype_name, dtype = resolve_device_dtype(cfg)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+    out = prepare_out_dir(cfg)
     model_dir = resolve_model(cfg.model, dtype_name)
     tok = Tokenizer.from_dir(model_dir)
-    model = load_model(model_dir, dtype=dtype, device=device)
-    train_docs, heldout, _ = build_data(cfg, tok)
-    vocab = model.config.vocab
-    eval_batches = [pack(b, cfg.max_tokens, device=device, vocab=vocab)
-                    for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
-    lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
-                     seed=cfg.seed)
-    opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    train_docs, heldout, _ = build_data(cfg, tok)  # before the weights: a bad record fails fast
+    fingerprint = data_fingerprint(train_docs)
+    try:
+        model = load_model(model_dir, dtype=dtype, device=device)
+        vocab = model.config.vocab
+        eval_batches = [pack(b, cfg.max_tokens, device=device, vocab=vocab)
+                        for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
+        lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
+                         seed=cfg.seed)
+        opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+        where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
+        raise TrainError(f"out of {where} memory loading {model_dir} in {dtype_name} on {device} ({e}): "
+                         "the model does not fit; use a smaller model, bfloat16 (--dtype), or a GPU with "
+                         "more memory") from e
     plan = None
     if cfg.vram_budget is not None:
         plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
         if cfg.progress:
             print(format_plan(plan), flush=True)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     step, epoch, index = 0, 0, 0
     if cfg.resume:
-        st = load_checkpoint(out, cfg, lora, opt)
+        st = load_checkpoint(out, cfg, lora, opt, fingerprint)
         step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
     say = print if cfg.progress else (lambda *a, **k: None)
@@ -289,15 +395,14 @@ def train(cfg: TrainConfig) -> dict:
     with Metrics(out, tensorboard=cfg.tensorboard) as metrics:
         try:
             before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if step == 0 else None
-            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan)
+            result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
+                           fingerprint)
             if result["eval_loss_before"] is not None:
                 say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
             result["sample_before"] = before
             result["sample_after"] = _sample(cfg, model, lora, tok, metrics, result["step"], "after", say)
         except torch.cuda.OutOfMemoryError as e:
-            raise TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens "
-                             "(raise --grad-accum to keep the tokens per step), or set --vram-budget GiB "
-                             "to recompute/offload activations") from e
+            raise _oom_error(cfg, e) from e
     lora.save(out / "adapter")
     result["adapter"] = str(out / "adapter")
     return result
@@ -317,10 +422,18 @@ def _targets(targets):
     return targets[0] if isinstance(targets, (list, tuple)) and len(targets) == 1 else targets
 
 
-def _state(cfg, step, epoch, index, lora_steps):
+def _oom_error(cfg, e, saved=None):
+    kept = (f"; the run so far is saved in {saved}: continue with the same command plus --resume once "
+            "it fits (--max-tokens must stay; use --vram-budget)" if saved else "")
+    return TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens (raise "
+                      "--grad-accum to keep the tokens per step), or set --vram-budget GiB to recompute/offload "
+                      f"activations{kept}")
+
+
+def _state(cfg, step, epoch, index, lora_steps, fingerprint=None):
     return {"step": step, "epoch": epoch, "batch_index": index, "lora_steps": lora_steps,
             "python_rng": random.getstate(), "numpy_rng": _np_state_to_json(np.random.get_state()),
-            "config": asdict(cfg)}
+            "config": asdict(cfg), "data": fingerprint}
 
 
 GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs eagerly)
@@ -339,7 +452,17 @@ def _graph_batch(graph, docs, vocab):
     return graph.pack(docs, vocab=vocab) if len(docs) < graph.max_docs else None
 
 
-def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None):
+def _check_finite(out, step, lr, **values):
+    """TrainError naming the first NaN/inf among values (loss, grad norm, held-out loss), raised
+    before anything of this step is saved: the last checkpoint stays the last good one."""
+    for name, x in values.items():
+        if not math.isfinite(x):
+            raise TrainError(f"{name.replace('_', ' ')} is {x} at step {step} (lr {lr:.3g}): lower --lr (or "
+                             "raise --warmup) and check the data for broken records; the last checkpoint "
+                             f"in {out / CHECKPOINT} is untouched")
+
+
+def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None):
     out = Path(cfg.out_dir)
     graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
@@ -352,11 +475,10 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
     progress = Progress(step, cfg.steps, cfg.progress)
     t_start, done_at_start, loss = time.time(), step, None
     tokens_total = 0
+    # the last completed step's data position and dropout counter: what an interrupt saves
     pos, in_update = (stream.epoch, stream.index, lora.steps), False
     try:
         while step < cfg.steps:
-            # the last completed step's position: what an interrupt checkpoint records
-            pos = (stream.epoch, stream.index, lora.steps)
             t0 = time.time()
             docs = [stream.next() for _ in range(cfg.grad_accum)]
             fixed = _graph_batch(graph, docs[0], vocab) if graph is not None else None
@@ -384,13 +506,10 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                 in_update = True
                 opt.step(lr=lr)
             step += 1
-            in_update = False
+            pos, in_update = (stream.epoch, stream.index, lora.steps), False
             loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
             grad_norm = opt.grad_norm.item()  # sync: log point (already complete)
-            if not math.isfinite(loss):
-                raise TrainError(f"loss is {loss} at step {step} (lr {lr:.3g}): lower --lr (or raise "
-                                 "--warmup) and check the data for broken records; the last checkpoint "
-                                 f"in {out / CHECKPOINT} is untouched")
+            _check_finite(out, step, lr, loss=loss, grad_norm=grad_norm)
             dt = time.time() - t0
             n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
                         else sum(b.n_tokens for b in batches))
@@ -403,24 +522,34 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
                 eval_loss, n = evaluate(model, lora, eval_batches)
+                _check_finite(out, step, lr, **{"held-out loss": eval_loss})
                 metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
             if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
+                save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+    except torch.cuda.OutOfMemoryError as e:
+        progress.close()
+        if in_update or step == done_at_start:  # an update half done, or nothing new to keep
+            raise
+        try:  # the parameters are whole: an OOM leaves them as the last completed step left them
+            saved = save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+        except Exception:
+            raise e from None
+        raise _oom_error(cfg, e, saved) from e
     except KeyboardInterrupt:
         progress.close()
         if in_update:
             raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}: the previous "
                                     f"checkpoint in {out / CHECKPOINT} is kept; resume with --resume") from None
-        epoch, index, lora_steps = pos
-        save_checkpoint(out, lora, opt, _state(cfg, step, epoch, index, lora_steps))
+        save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
         raise KeyboardInterrupt(f"interrupted after step {step}: checkpoint saved in {out / CHECKPOINT}; "
                                 "continue with the same command plus --resume") from None
     progress.close()
     if eval_batches:
         eval_loss, n = evaluate(model, lora, eval_batches)
+        _check_finite(out, step, lr_at(step, cfg), **{"held-out loss": eval_loss})
         metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
     if cfg.save_every:
-        save_checkpoint(out, lora, opt, _state(cfg, step, stream.epoch, stream.index, lora.steps))
+        save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
     return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}

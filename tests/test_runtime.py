@@ -94,7 +94,7 @@ def test_load_errors(tmp_path, qwen3_dir):
     with pytest.raises(lean.ModelLoadError, match="truncated"):
         lean.load_model(variant("trunc", raw=blob[: len(blob) // 2]), device=DEVICE)
     missing = {k: v for k, v in full.items() if "layers.1.mlp.up_proj" not in k}
-    with pytest.raises(lean.ModelLoadError, match="missing 1 tensor.*layers.1.mlp.up_proj"):
+    with pytest.raises(lean.ModelLoadError, match="missing 1 tensor.*layers.1.mlp.up_proj.*: re-download the model"):
         lean.load_model(variant("missing", missing), device=DEVICE)
     bad = dict(full)
     bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 64)

@@ -145,5 +145,6 @@ def _fill(cfg, named, dtype, device, path):
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
         raise ModelLoadError(f"{path or 'tensors'}: checkpoint does not match a {cfg.hf_architecture} with this "
-                             "config: " + "; ".join(parts))
+                             "config: " + "; ".join(parts) + ": re-download the model, or point at the "
+                             "folder whose config.json belongs to these weights")
     return model

@@ -183,16 +183,44 @@ def test_out_of_memory_mid_run_saves_the_completed_steps(setup, monkeypatch):
     assert (state["step"], state["batch_index"], state["lora_steps"]) == (2, 2, 2)
 
 
+def test_out_of_memory_after_training_keeps_the_adapter(setup, monkeypatch):
+    """The adapter is written when the last step ends: an OOM in the final evaluation loses nothing."""
+    cfg = _cfg(setup, "oom-final", steps=2, save_every=0)
+    real, calls = T.evaluate, {"n": 0}
+
+    def oom_in_final_eval(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first is the one before training
+            raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "evaluate", oom_in_final_eval)
+    with pytest.raises(T.TrainError, match="out of GPU memory"):
+        T.train(cfg)
+    assert sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]
+    assert (T.Path(cfg.out_dir) / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_fresh_run_refuses_an_earlier_runs_folder(setup):
-    cfg = _cfg(setup, "again", steps=1)
+    cfg = _cfg(setup, "again", steps=1, save_every=1)
     T.train(cfg)
-    with pytest.raises(T.TrainError, match="holds an earlier run \\(metrics.jsonl, adapter.*\\): pass --resume.*--overwrite"):
+    with pytest.raises(T.TrainError, match="holds an earlier run \\(checkpoint, metrics.jsonl, adapter.*\\): "
+                       "pass --resume to continue it, pass --overwrite"):
         T.train(cfg)
     (T.Path(cfg.out_dir) / "checkpoint.tmp-999999").mkdir()  # a save killed mid-write
-    cfg.overwrite, cfg.steps = True, 2
+    cfg.overwrite, cfg.steps, cfg.save_every = True, 2, 0
     T.train(cfg)
     assert sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]  # the earlier run's lines are gone
-    assert not list(T.Path(cfg.out_dir).glob("checkpoint.tmp-*"))
+    assert not list(T.Path(cfg.out_dir).glob("checkpoint*"))  # its checkpoint too; the temp folder
+    cfg.overwrite = False  # metrics but no checkpoint: --resume is not offered, and says --overwrite
+    with pytest.raises(T.TrainError, match="holds an earlier run \\(metrics.jsonl, adapter.*\\): pass --overwrite"):
+        T.train(cfg)
+    cfg.resume = True
+    with pytest.raises(T.TrainError, match="no checkpoint.*start over with --overwrite instead of --resume"):
+        T.train(cfg)
+    cfg.overwrite = True
+    with pytest.raises(T.TrainError, match="--resume and --overwrite: pass one"):
+        T.train(cfg)
 
 
 def test_resume_refuses_other_documents(setup, tmp_path):
@@ -274,7 +302,8 @@ def test_unreadable_checkpoint_names_the_file_or_falls_back(setup):
     T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))
     blob = (out / "checkpoint" / "state.safetensors").read_bytes()
     (out / "checkpoint" / "state.safetensors").write_bytes(blob[:len(blob) // 2])
-    with pytest.raises(T.TrainError, match="state.safetensors is unreadable.*delete .*checkpoint and start again"):
+    with pytest.raises(T.TrainError, match="state.safetensors is unreadable.*restore the folder from a copy, or "
+                       "start over with --overwrite"):
         T.load_checkpoint(out, cfg, *_lora_opt(cfg))
     (out / "checkpoint" / "state.json").write_text("")
     with pytest.raises(T.TrainError, match="state.json is unreadable"):
@@ -282,6 +311,10 @@ def test_unreadable_checkpoint_names_the_file_or_falls_back(setup):
     T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))  # a good checkpoint.old beside a
     T.shutil.copytree(out / "checkpoint", out / "checkpoint.old")  # broken checkpoint: resumed from
     (out / "checkpoint" / "state.json").write_text(json.dumps({"step": 4}))
+    assert T.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
+    # the good one is in place for the next save to keep; the broken one is set aside, not lost
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "checkpoint.bad"]
+    assert json.loads((out / "checkpoint.bad" / "state.json").read_text()) == {"step": 4}
     assert T.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
 
 

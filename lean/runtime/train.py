@@ -21,16 +21,18 @@ Outputs in out_dir:
                   the config, the training documents' fingerprint); written as checkpoint.tmp-<pid>,
                   flushed to the disk (fsync) and renamed into place, the previous checkpoint kept
                   as checkpoint.old until the renames are on the disk
-  adapter/        the final adapter (PEFT layout: PeftModel.from_pretrained loads it)
+  adapter/        the final adapter (PEFT layout: PeftModel.from_pretrained loads it), written when
+                  the last step ends, before the final evaluation and sample
 
 Resume (`resume=True`) restores the checkpoint and continues with the same batches in the same
 order, the same dropout seeds and the same optimizer state: the per-step losses equal those of an
 uninterrupted run (bit for bit on CPU). The config fields that shape the run and the training
 documents must match; an unreadable checkpoint falls back to checkpoint.old where one is left.
-A fresh run refuses an out_dir that holds an earlier run (`overwrite=True` deletes it first).
+A fresh run refuses an out_dir that holds an earlier run (`overwrite=True` deletes it, once the
+model and data have loaded). Settings, data and checkpoint are checked before the weights load.
 
-Errors are TrainError naming the cause and the fix: a NaN/inf loss, grad norm or held-out loss
-(names the step; raised before anything of it is saved, so the last checkpoint stays good), out of
+Errors are TrainError naming the cause and the fix: a NaN/inf loss or grad norm (names the step;
+raised before anything of it is saved, so the last checkpoint stays good), out of
 memory (lower --max-tokens; in the loop the completed steps are checkpointed first), a checkpoint
 that does not match the config or cannot be read. KeyboardInterrupt saves a checkpoint at the
 last completed step and is re-raised with a message on how to resume.
@@ -155,27 +157,39 @@ def data_fingerprint(docs) -> str:
 
     h = hashlib.sha256()
     for ids, mask in docs:
+        h.update(len(ids).to_bytes(8, "little"))
         h.update(np.asarray(ids, np.int32).tobytes())
         h.update(np.packbits(np.asarray(mask, bool)).tobytes())
-        h.update(len(ids).to_bytes(8, "little"))
     return h.hexdigest()[:16]
 
 
-EARLIER_RUN = (CHECKPOINT, f"{CHECKPOINT}.old", METRICS, "adapter", "tb", "merged")
+RUN_MARKS = (CHECKPOINT, f"{CHECKPOINT}.old", METRICS)         # an out_dir holding one holds a run
+RUN_FILES = RUN_MARKS + ("adapter", "tb", "merged", f"{CHECKPOINT}.bad")  # what --overwrite deletes
 
 
-def prepare_out_dir(cfg) -> Path:
-    """out_dir, made ready: a fresh run refuses a folder that holds an earlier run (its checkpoint
-    and metrics would be mixed with this one's) unless cfg.overwrite, which deletes that run's
-    files first; a checkpoint.tmp-* left by a killed save is removed."""
+def earlier_run(cfg) -> list:
+    """The earlier run's files in out_dir that --overwrite would delete; TrainError when a fresh
+    run (neither resume nor overwrite) meets one: its checkpoint and metrics would mix with this
+    run's. Called before anything loads; nothing is deleted here."""
     out = Path(cfg.out_dir)
-    earlier = [out / n for n in EARLIER_RUN if (out / n).exists()]
-    if earlier and not cfg.resume:
-        if not cfg.overwrite:
-            raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in earlier)}): pass --resume "
-                             "to continue it, --overwrite to delete it and start over, or another --out")
-        for p in earlier:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if cfg.resume and cfg.overwrite:
+        raise TrainError("--resume and --overwrite: pass one (continue the run in --out, or delete it and start over)")
+    if cfg.resume or not any((out / n).exists() for n in RUN_MARKS):
+        return []
+    found = [out / n for n in RUN_FILES if (out / n).exists()]
+    if not cfg.overwrite:
+        cont = "pass --resume to continue it, " if any((out / n / "state.json").is_file() for n in RUN_MARKS[:2]) else ""
+        raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in found)}): {cont}pass "
+                         "--overwrite to delete it and start over, or another --out")
+    return found
+
+
+def prepare_out_dir(out_dir, delete=()) -> Path:
+    """out_dir made ready once the run has loaded: the files of `delete` (earlier_run's) go, and
+    a checkpoint.tmp-* left by a killed save."""
+    out = Path(out_dir)
+    for p in delete:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob(f"{CHECKPOINT}.tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
@@ -222,13 +236,23 @@ def evaluate(model, lora, batches) -> tuple:
 # ---------------------------------------------------------------- checkpoints
 
 def _fsync(path):
-    """Flush a file, or a folder's entries (POSIX), to the disk: after a power loss the renamed
-    checkpoint holds complete files, never empty ones."""
-    if path.is_dir() and os.name != "posix":
-        return  # folders cannot be opened for fsync there; the files still are
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file, or a folder's entries, to the disk: after a power loss the renamed checkpoint
+    holds complete files, never empty ones. Files open read-write (Windows flushes no read-only
+    handle); folders only where the system allows it (POSIX; some mounts refuse: then skipped)."""
+    if path.is_dir():
+        if os.name != "posix":
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+    else:
+        fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
     finally:
         os.close(fd)
 
@@ -268,8 +292,10 @@ def checkpoint_dirs(out_dir) -> list:
     out_dir = Path(out_dir)
     found = [out_dir / n for n in (CHECKPOINT, f"{CHECKPOINT}.old") if (out_dir / n / "state.json").is_file()]
     if not found:
+        fresh = ("start over with --overwrite instead of --resume" if (out_dir / METRICS).exists()
+                 else "run without --resume")
         raise TrainError(f"--resume: no checkpoint in {out_dir} (expected {out_dir / CHECKPOINT}/state.json): "
-                         "run without --resume, or pass the --out folder of the interrupted run")
+                         f"{fresh}, or pass the --out folder of the interrupted run")
     return found
 
 
@@ -303,11 +329,12 @@ def _read_checkpoint(d) -> tuple:
     return state, t
 
 
-def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
-    """Restore params, AdamW state, the dropout counter and RNG states; return state.json. An
-    unreadable checkpoint falls back to checkpoint.old where one is left; fingerprint (the training
-    documents', see data_fingerprint) must match the checkpoint's when both have one."""
-    errors = []
+def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
+    """(state.json, tensors) of the checkpoint to resume from, checked against cfg and the training
+    documents' fingerprint (see data_fingerprint; when both have one) before anything loads. An
+    unreadable checkpoint falls back to checkpoint.old where one is left: the broken one moves to
+    checkpoint.bad and the old one into its place, so the next save has a good one to keep."""
+    out_dir, errors = Path(out_dir), []
     for d in checkpoint_dirs(out_dir):
         try:
             state, t = _read_checkpoint(d)
@@ -315,10 +342,16 @@ def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
         except TrainError as e:
             errors.append(str(e))
     else:
-        raise TrainError(f"--resume: {'; '.join(errors)}: restore the folder from a copy, or delete "
-                         f"{Path(out_dir) / CHECKPOINT} and start again without --resume")
+        raise TrainError(f"--resume: {'; '.join(errors)}: restore the folder from a copy, or start over "
+                         "with --overwrite instead of --resume")
     if errors:
-        print(f"lean-train: {errors[0]}: resuming from {d} instead (one save earlier)", flush=True)
+        bad = out_dir / f"{CHECKPOINT}.bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        os.replace(out_dir / CHECKPOINT, bad)
+        os.replace(d, out_dir / CHECKPOINT)
+        d = out_dir / CHECKPOINT
+        print(f"lean-train: {errors[0]}: resuming from the save before it (checkpoint.old, now {d}; the "
+              f"unreadable one is kept as {bad})", flush=True)
     saved, now = state["config"], asdict(cfg)
     diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
     if diff:
@@ -329,8 +362,13 @@ def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
         raise TrainError(f"{d}: the checkpoint was made on other training documents (data {cfg.data}, "
                          f"fingerprint {state['data']} vs now {fingerprint}): resume with the run's data, "
                          "or start a new run with another --out")
+    return state, t
+
+
+def restore_checkpoint(state, t, lora, opt):
+    """Params, AdamW state, the dropout counter and RNG states from read_checkpoint's result."""
     if t["params"].numel() != lora.params.numel():
-        raise TrainError(f"{d}: the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
+        raise TrainError(f"the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
                          f"{lora.params.numel()}: another model? Start a new run with another --out")
     lora.params.copy_(t["params"])
     lora.sync_lowp()
@@ -339,6 +377,11 @@ def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
     random.setstate(_py_state_from_json(state["python_rng"]))
     np.random.set_state(_np_state_from_json(state["numpy_rng"]))
     return state
+
+
+def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
+    """read_checkpoint + restore_checkpoint; returns state.json."""
+    return restore_checkpoint(*read_checkpoint(out_dir, cfg, fingerprint), lora, opt)
 
 
 def _np_state_to_json(st):
@@ -360,11 +403,12 @@ def train(cfg: TrainConfig) -> dict:
     device, dtype_name, dtype = resolve_device_dtype(cfg)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    out = prepare_out_dir(cfg)
+    earlier = earlier_run(cfg)  # every check before the weights load: a mistake fails fast
     model_dir = resolve_model(cfg.model, dtype_name)
     tok = Tokenizer.from_dir(model_dir)
-    train_docs, heldout, _ = build_data(cfg, tok)  # before the weights: a bad record fails fast
+    train_docs, heldout, _ = build_data(cfg, tok)
     fingerprint = data_fingerprint(train_docs)
+    resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
     try:
         model = load_model(model_dir, dtype=dtype, device=device)
         vocab = model.config.vocab
@@ -383,9 +427,10 @@ def train(cfg: TrainConfig) -> dict:
         plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
         if cfg.progress:
             print(format_plan(plan), flush=True)
+    out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
     step, epoch, index = 0, 0, 0
-    if cfg.resume:
-        st = load_checkpoint(out, cfg, lora, opt, fingerprint)
+    if resume is not None:
+        st = restore_checkpoint(*resume, lora, opt)
         step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
     say = print if cfg.progress else (lambda *a, **k: None)
@@ -403,7 +448,6 @@ def train(cfg: TrainConfig) -> dict:
             result["sample_after"] = _sample(cfg, model, lora, tok, metrics, result["step"], "after", say)
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
-    lora.save(out / "adapter")
     result["adapter"] = str(out / "adapter")
     return result
 
@@ -453,8 +497,8 @@ def _graph_batch(graph, docs, vocab):
 
 
 def _check_finite(out, step, lr, **values):
-    """TrainError naming the first NaN/inf among values (loss, grad norm, held-out loss), raised
-    before anything of this step is saved: the last checkpoint stays the last good one."""
+    """TrainError naming the first NaN/inf among values (loss, grad norm), raised before anything
+    of this step is saved: the last checkpoint stays the last good one."""
     for name, x in values.items():
         if not math.isfinite(x):
             raise TrainError(f"{name.replace('_', ' ')} is {x} at step {step} (lr {lr:.3g}): lower --lr (or "
@@ -505,8 +549,7 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                     sums.append(loss_sum)
                 in_update = True
                 opt.step(lr=lr)
-            step += 1
-            pos, in_update = (stream.epoch, stream.index, lora.steps), False
+            step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
             loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
             grad_norm = opt.grad_norm.item()  # sync: log point (already complete)
             _check_finite(out, step, lr, loss=loss, grad_norm=grad_norm)
@@ -522,7 +565,6 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
                 eval_loss, n = evaluate(model, lora, eval_batches)
-                _check_finite(out, step, lr, **{"held-out loss": eval_loss})
                 metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
             if cfg.save_every and step % cfg.save_every == 0:
@@ -545,11 +587,11 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
         raise KeyboardInterrupt(f"interrupted after step {step}: checkpoint saved in {out / CHECKPOINT}; "
                                 "continue with the same command plus --resume") from None
     progress.close()
-    if eval_batches:
-        eval_loss, n = evaluate(model, lora, eval_batches)
-        _check_finite(out, step, lr_at(step, cfg), **{"held-out loss": eval_loss})
-        metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
     if cfg.save_every:
         save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+    lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
+    if eval_batches:
+        eval_loss, n = evaluate(model, lora, eval_batches)
+        metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
     return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}

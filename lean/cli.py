@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
       "pinned host memory to fit (the plan and predicted peak are printed first)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--no-graph", action="store_true", help="CUDA: run every step eagerly instead of replaying one captured "
-      "CUDA graph (the default where grad-accum is 1, dropout 0 and no --vram-budget)")
+      "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers)")
     return p

@@ -128,7 +128,8 @@ def merge_run(cfg, adapter_dir):
     model = load_model(folder, dtype=torch.float32, device=device)
     lora = LoRA.load(model, adapter_dir)
     out_dtype = "float32" if dtype_name == "float32" else "bfloat16"
-    return merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder)
+    # out/merged belongs to this run (--overwrite cleared an earlier run's): replace it
+    return merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder, overwrite=True)
 
 
 def main(argv=None) -> int:

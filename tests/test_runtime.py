@@ -221,6 +221,48 @@ def test_adapter_errors(tmp_path, qwen3_dir):
         lean.LoRA.load(model, tmp_path / "a")
     assert not list((tmp_path / "a").glob("*.tmp"))  # atomic writes leave no temporaries
 
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, cfg_edit=None, tensors_edit=None, raw_cfg=None):
+        d = tmp_path / name
+        lora.save(d)
+        if raw_cfg is not None:
+            (d / "adapter_config.json").write_text(raw_cfg)
+        if cfg_edit is not None:
+            c = json.loads((d / "adapter_config.json").read_text())
+            cfg_edit(c)
+            (d / "adapter_config.json").write_text(json.dumps(c))
+        if tensors_edit is not None:
+            t = load_file(str(d / "adapter_model.safetensors"))
+            tensors_edit(t)
+            save_file(t, str(d / "adapter_model.safetensors"))
+        return d
+
+    # PEFT features that change the computation are refused by name, never dropped
+    for key, val in (("lora_bias", True), ("trainable_token_indices", [3, 5]), ("layer_replication", [[0, 2]]),
+                     ("exclude_modules", ["q_proj"]), ("alpha_pattern", {"q_proj": 4})):
+        with pytest.raises(lean.LoRAError, match=f"{key}=.*merge this adapter with PEFT"):
+            lean.LoRA.load(model, variant(key, cfg_edit=lambda c: c.update({key: val})))
+    with pytest.raises(lean.LoRAError, match=r"target_modules \['lm_head'\]"):
+        lean.LoRA.load(model, variant("lm", cfg_edit=lambda c: c["target_modules"].append("lm_head")))
+    # tensors lean would not apply: a deeper model's layer, a LoRA bias
+    key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
+    with pytest.raises(lean.LoRAError, match="1 tensor.*would not apply.*layers.7.*deeper or other model"):
+        lean.LoRA.load(model, variant("deep", tensors_edit=lambda t: t.update({key: torch.zeros(4, 8)})))
+    gone = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    with pytest.raises(lean.LoRAError, match="missing 1 LoRA tensor.*covers fewer layers or modules"):
+        lean.LoRA.load(model, variant("shallow", tensors_edit=lambda t: t.pop(gone)))
+    with pytest.raises(lean.LoRAError, match="adapter_config.json is not a PEFT adapter config.*save the adapter again"):
+        lean.LoRA.load(model, variant("badjson", raw_cfg="{"))
+    with pytest.raises(lean.LoRAError, match="no 'r'"):
+        lean.LoRA.load(model, variant("nor", cfg_edit=lambda c: c.pop("r")))
+    c8 = variant("noalpha", cfg_edit=lambda c: c.pop("lora_alpha"))
+    assert lean.LoRA.load(model, c8).scale == 8 / 4  # PEFT's default lora_alpha
+    for kw, match in ((dict(targets=""), "no LoRA target"), (dict(targets=[]), "no LoRA target"),
+                      (dict(alpha=0), "alpha=0: must be > 0"), (dict(r=2.5), "r=2.5: must be an integer")):
+        with pytest.raises(lean.LoRAError, match=match):
+            lean.LoRA.init(model, **{"r": 4, "alpha": 8, **kw})
+
 
 def test_hub_id_unreachable_names_the_fix(monkeypatch):
     """A hub id goes through huggingface_hub; when it cannot be fetched the error says what to do."""
@@ -270,7 +312,14 @@ def test_merge_writes_a_folder_transformers_loads(tmp_path, arch):
     adapted = lean.forward(model, lora, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
     base = lean.forward(model, None, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
     assert (adapted - base).abs().max() > 1e-3  # the adapter matters, so the check below can fail
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()  # the merge's dtype by default, no dtype=
+    assert hf.dtype == torch.float32
     with torch.no_grad():
         ref = torch.cat([hf(input_ids=torch.tensor([d])).logits[0] for d in docs])
     assert (ref - adapted).abs().max() <= 1e-5 * adapted.abs().max()
+    bf16 = merge_and_save(model, lora, tmp_path / "merged", dtype="bfloat16", overwrite=True)
+    assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="exists and is not empty.*overwrite=True"):
+        merge_and_save(model, lora, tmp_path / "merged")
+    with pytest.raises(ValueError, match="the model's own folder"):
+        merge_and_save(model, lora, tmp_path / "base", overwrite=True)

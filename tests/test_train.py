@@ -81,6 +81,8 @@ def test_training_lowers_heldout_loss(full_run):
     assert result["eval_loss"] == evals[6]
     assert evals[6] < evals[0] - 0.3, evals
     assert (T.Path(cfg.out_dir) / "adapter" / "adapter_model.safetensors").is_file()
+    adapter_cfg = json.loads((T.Path(cfg.out_dir) / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == cfg.model  # as given (a hub id stays an id)
 
 
 def test_samples_and_tensorboard(full_run):
@@ -164,6 +166,40 @@ def test_interrupt_after_a_step_resumes_exactly(full_run, setup, monkeypatch):
     T.train(cfg)
     full, resumed = _metrics(T.Path(cfg_full.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
     assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]
+
+
+def test_resume_drops_the_records_of_lost_steps(full_run, setup, monkeypatch):
+    """A run killed after step 5's log but before its next save: resumed from step 4's checkpoint,
+    steps 5 and 6 are logged once each (metrics.jsonl and TensorBoard), with the uninterrupted losses."""
+    cfg_full, _ = full_run
+    cfg = _cfg(setup, "killed", seed=7, save_every=4)
+    real_fb = T.forward_backward
+    calls = {"n": 0}
+
+    def killed_at_step_6(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise SystemExit("killed")  # no handler runs for it: like a SIGKILL, nothing is saved
+        return real_fb(*a, **k)
+
+    monkeypatch.setattr(T, "forward_backward", killed_at_step_6)
+    with pytest.raises(SystemExit):
+        T.train(cfg)
+    assert json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())["step"] == 4
+    monkeypatch.setattr(T, "forward_backward", real_fb)
+    with open(T.Path(cfg.out_dir) / T.METRICS, "a") as fh:
+        fh.write('{"kind": "train", "step": 6, "lo')  # a line the kill tore
+    cfg.resume = True
+    T.train(cfg)
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / T.METRICS).read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    full = _metrics(T.Path(cfg_full.out_dir), "train")
+    assert [m["loss"] for m in lines if m["kind"] == "train"] == [full[s] for s in range(1, 7)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(T.Path(cfg.out_dir) / "tb"))
+    acc.Reload()
+    assert sorted(e.step for e in acc.Scalars("train/loss")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_out_of_memory_mid_run_saves_the_completed_steps(setup, monkeypatch):

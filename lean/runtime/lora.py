@@ -28,6 +28,12 @@ PEFT_MODULE = {
 }
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+# adapter_config.json fields that change what the adapter computes beyond one rank on every layer's
+# seven projections: lean refuses an adapter that sets any of them rather than apply it wrongly
+UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform",
+               "layer_replication", "lora_bias", "trainable_token_indices", "alora_invocation_tokens",
+               "target_parameters", "use_qalora", "exclude_modules")
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -48,6 +54,8 @@ def _normalise_targets(targets):
         return TARGETS
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
+    if not targets:
+        raise LoRAError(f"no LoRA target: name at least one of {', '.join(TARGETS)}, or 'all'")
     out = []
     for t in targets:
         t = ALIASES.get(t, t)
@@ -68,8 +76,10 @@ class Adapter:
 
 class LoRA:
     def __init__(self, model, r, alpha, targets, dropout=0.0, use_rslora=False, seed=0):
-        if r < 1:
-            raise LoRAError(f"LoRA rank r={r}: must be >= 1")
+        if r < 1 or r != int(r):
+            raise LoRAError(f"LoRA rank r={r}: must be an integer >= 1")
+        if not alpha > 0:
+            raise LoRAError(f"LoRA alpha={alpha}: must be > 0 (the update is scaled by alpha / r)")
         if not 0.0 <= dropout < 1.0:
             raise LoRAError(f"LoRA dropout={dropout}: must be in [0, 1)")
         cfg = model.config
@@ -128,16 +138,25 @@ class LoRA:
         cfg_path, w_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
         if not cfg_path.exists() or not w_path.exists():
             raise LoRAError(f"{d} is not a PEFT LoRA adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-        pc = json.loads(cfg_path.read_text())
+        try:
+            pc = json.loads(cfg_path.read_text())
+            if not isinstance(pc, dict) or "r" not in pc:
+                raise ValueError("no 'r' (the rank)")
+        except ValueError as e:
+            raise LoRAError(f"{cfg_path} is not a PEFT adapter config ({e}): save the adapter again") from e
         if pc.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{cfg_path}: peft_type={pc.get('peft_type')!r}; lean loads LORA adapters only")
-        for key, bad in (("use_dora", True), ("rank_pattern", None), ("alpha_pattern", None),
-                         ("modules_to_save", None), ("layers_to_transform", None)):
-            val = pc.get(key)
-            if val and (bad is True or val != {}):
-                raise LoRAError(f"{cfg_path}: {key}={val!r} is not supported by lean")
+        unsupported = [f"{k}={pc[k]!r}" for k in UNSUPPORTED if pc.get(k) not in (None, False, {}, [], "")]
         if pc.get("bias", "none") != "none":
-            raise LoRAError(f"{cfg_path}: bias={pc.get('bias')!r}; lean trains LoRA weights only (bias='none')")
+            unsupported.append(f"bias={pc['bias']!r}")
+        tm = pc.get("target_modules")
+        other = [m for m in (tm if isinstance(tm, list) else []) if m not in ALIASES and m not in TARGETS]
+        if other:
+            unsupported.append(f"target_modules {other}")
+        if unsupported:
+            raise LoRAError(f"{cfg_path}: {', '.join(unsupported)}: lean applies one rank to the q/k/v/o/gate/"
+                            "up/down projections of every layer, nothing else; merge this adapter with PEFT "
+                            "(merge_and_unload) and load the merged model, or train one without these")
         try:
             tensors = load_file(str(w_path))
         except Exception as e:
@@ -149,15 +168,24 @@ class LoRA:
                     found.add(t)
         if not found:
             raise LoRAError(f"{w_path} holds no LoRA weights for q/k/v/o/gate/up/down projections")
-        lora = cls(model, int(pc["r"]), float(pc.get("lora_alpha", pc["r"])), sorted(found, key=TARGETS.index),
+        lora = cls(model, pc["r"], float(pc.get("lora_alpha", PEFT_DEFAULT_ALPHA)), sorted(found, key=TARGETS.index),
                    float(pc.get("lora_dropout", 0.0)), bool(pc.get("use_rslora", False)))
         lora.base_model_name = pc.get("base_model_name_or_path") or model.path
+        base = pc.get("base_model_name_or_path") or "not recorded"
         expected = dict(lora._peft_items(lora.params))
-        missing = [k for k in expected if _find(tensors, k) is None]
+        keys = {k: _key(tensors, k) for k in expected}
+        missing = [k for k, key in keys.items() if key is None]
         if missing:
-            raise LoRAError(f"{w_path}: missing {len(missing)} LoRA tensor(s), e.g. {missing[:3]}")
+            raise LoRAError(f"{w_path}: missing {len(missing)} LoRA tensor(s), e.g. {missing[:3]}: the adapter "
+                            f"covers fewer layers or modules than this {model.config.n_layers}-layer model (its "
+                            f"base model: {base}); load it with the model it was trained on")
+        extra = sorted(set(tensors) - set(keys.values()))
+        if extra:
+            raise LoRAError(f"{w_path}: {len(extra)} tensor(s) lean would not apply, e.g. {extra[:3]}: the adapter "
+                            f"was made for a deeper or other model (its base model: {base}) or holds weights "
+                            "beyond LoRA A/B; load it with the model it was trained on")
         for k, view in expected.items():
-            t = _find(tensors, k)
+            t = tensors[keys[k]]
             if tuple(t.shape) != tuple(view.shape):
                 raise LoRAError(f"{w_path}: {k} has shape {tuple(t.shape)}, expected {tuple(view.shape)} "
                                 "(an adapter for another model or rank?)")
@@ -216,12 +244,13 @@ class LoRA:
         _atomic_write(d / ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(self.peft_config(), indent=2)))
 
 
-def _find(tensors, key):
-    """PEFT keys may carry the adapter name ('.lora_A.default.weight') in some versions."""
+def _key(tensors, key):
+    """The key under which tensors holds `key`: PEFT keys may carry the adapter name
+    ('.lora_A.default.weight') in some versions; None when it is not there."""
     if key in tensors:
-        return tensors[key]
+        return key
     alt = key.replace(".weight", ".default.weight")
-    return tensors.get(alt)
+    return alt if alt in tensors else None
 
 
 def _atomic_write(path, write):

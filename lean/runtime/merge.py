@@ -4,11 +4,14 @@
 
 The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
 tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
-copied from the model's folder. The folder is written as out_dir.tmp-<pid> and renamed into
-place, so a crash never leaves a half-written merge under the final name.
+copied from the model's folder, config.json with its dtype set to the merge's (transformers loads
+the folder in that dtype by default). The folder is written as out_dir.tmp-<pid> and renamed into
+place, so a crash never leaves a half-written merge under the final name; an existing out_dir is
+replaced only with overwrite=True, and never when it is the model's own folder.
 Caution: holds every merged tensor on the host until the write (fine for the models lean trains
 on one GPU; a streaming writer is the fix for larger ones).
 """
+import json
 import os
 import shutil
 from pathlib import Path
@@ -40,16 +43,21 @@ def merged_tensors(model, lora, dtype):
     return out
 
 
-def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None):
+def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None, overwrite=False):
     """Write model + adapter, merged, as an HF folder at out_dir; returns its path."""
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
         raise ValueError(f"merge dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    src = Path(src_dir or model.path)
+    src = Path(os.path.expanduser(str(src_dir or model.path)))
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} has no config.json to copy: pass src_dir=, the model's HF folder")
-    out = Path(out_dir)
+    out = Path(os.path.expanduser(str(out_dir)))
+    if out.exists() and out.resolve() == src.resolve():
+        raise ValueError(f"merge into {out}: that is the model's own folder; write the merge elsewhere")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"merge into {out}: the folder exists and is not empty; pick a new folder "
+                         "(or pass overwrite=True to replace it)")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -59,6 +67,10 @@ def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None):
         for name in COPIED:
             if (src / name).exists():
                 shutil.copy2(src / name, tmp / name)
+        config = json.loads((tmp / "config.json").read_text())
+        for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+            config[key] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -16,6 +16,7 @@ the default run).
 """
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from .generate import generate
@@ -59,15 +60,26 @@ class Progress:
 
 
 class Metrics:
-    """metrics.jsonl (always) and a TensorBoard log in out_dir/tb (when tensorboard is installed)."""
+    """metrics.jsonl (always) and a TensorBoard log in out_dir/tb (when tensorboard is installed).
 
-    def __init__(self, out_dir, tensorboard=True):
+    resume_step: a resumed run's checkpoint step. Records of later steps (a run killed after its
+    last checkpoint logged them; the resumed run logs those steps again) are dropped from
+    metrics.jsonl (rewritten atomically) and purged from the TensorBoard log."""
+
+    def __init__(self, out_dir, tensorboard=True, resume_step=None):
         out_dir = Path(out_dir)
-        self.fh = open(out_dir / METRICS, "a")
+        path = out_dir / METRICS
+        if resume_step is not None and path.exists():
+            keep = [x for x in path.read_text().splitlines(keepends=True) if _step_of(x) <= resume_step]
+            tmp = path.with_name(f".{METRICS}.tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, path)
+        self.fh = open(path, "a")
         self.tb = None
         if tensorboard and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=str(out_dir / "tb"))
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=purge)
 
     def log(self, record):
         self.fh.write(json.dumps(record) + "\n")
@@ -91,6 +103,14 @@ class Metrics:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _step_of(line) -> float:
+    """A metrics line's step; inf for a line a killed run left torn (dropped on resume)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
 
 
 def sample(model, lora, tok, prompt, max_new_tokens=32):

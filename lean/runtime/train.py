@@ -15,7 +15,8 @@ are taken in that order, and the next epoch starts when one runs out. The held-o
 Outputs in out_dir:
   metrics.jsonl   one JSON line per step {"kind": "train", "step", "loss", "lr", "grad_norm",
                   "tokens", "tokens_per_s", "seconds"} and per evaluation {"kind": "eval", "step",
-                  "loss", "targets"}; appended to on resume
+                  "loss", "targets"}; appended to on resume, after the records of steps past
+                  the checkpoint (logged by a run killed before its next save) are dropped
   checkpoint/     adapter/ (PEFT layout), state.safetensors (LoRA params, AdamW m and v, fp32) and
                   state.json (step, data position, LoRA dropout counter, python/numpy RNG states,
                   the config, the training documents' fingerprint); written as checkpoint.tmp-<pid>,
@@ -416,6 +417,8 @@ def train(cfg: TrainConfig) -> dict:
                         for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
         lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
                          seed=cfg.seed)
+        if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
+            lora.base_model_name = str(cfg.model)        # stays an id, not this machine's cache folder
         opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
     except (torch.cuda.OutOfMemoryError, MemoryError) as e:
         where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
@@ -437,7 +440,7 @@ def train(cfg: TrainConfig) -> dict:
     say(f"lean-train: {model.config.arch} from {model_dir} on {device} ({dtype_name}); "
         f"{len(train_docs)} training documents, {len(heldout)} held out; LoRA r={cfg.r} on "
         f"{', '.join(lora.targets)} ({lora.params.numel():,} parameters)", flush=True)
-    with Metrics(out, tensorboard=cfg.tensorboard) as metrics:
+    with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
         try:
             before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if step == 0 else None
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,

@@ -113,6 +113,10 @@ def test_tokenizer_config_forms(smol_dir, tmp_path):
     assert t.apply_chat_template([{"role": "user", "content": "q"}]) == "D"
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "q"}]) == "J1"
+    bad = dict(cfg, eos_token="</s>")  # not in SmolLM2's vocabulary
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(bad))
+    with pytest.raises(TokenizerError, match="eos_token='</s>' is not in the tokenizer's vocabulary.*fix tokenizer_config.json"):
+        Tokenizer.from_dir(tmp_path)
     cfg["chat_template"] = [{"name": "tool_use", "template": "T"}]
     (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -141,13 +145,19 @@ def test_every_format_parses(tmp_path, rng):
     (tmp_path / "f.yml").write_text(f"categories: [x]\nconversations:\n- - {w[10]}\n  - {w[11]}\n"
                                     f"  - {w[0]}\n")
     (tmp_path / "g.txt").write_text(w[1] + "\n\n" + w[2])
+    share = {"conversations": [{"from": "system", "value": w[3]}, {"from": "human", "value": w[4]},
+                               {"from": "gpt", "value": w[5]}]}
+    tools = [{"role": "user", "content": w[6]},
+             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+             {"role": "tool", "content": "4", "tool_call_id": "c1"}, {"role": "assistant", "content": w[7]}]
+    (tmp_path / "h.jsonl").write_bytes(b"\xef\xbb\xbf" + (json.dumps(share) + "\n" + json.dumps({"messages": tools})).encode())
     (tmp_path / ".hidden.md").write_text("ignored")
     recs = data.load_records(tmp_path)
     # sorted path order, recursing into b_sub/ between a.jsonl and c.json; .hidden.md skipped
     assert [(r.kind, str(Path(r.source).relative_to(tmp_path))) for r in recs] == [
         ("text", "a.jsonl:1"), ("instruction", "a.jsonl:3"), ("chat", "a.jsonl:4"),
         ("text", "b_sub/d.json[0]"), ("text", "b_sub/e.yaml[0]"), ("instruction", "c.json[0]"),
-        ("chat", "f.yml:conversations[0]"), ("text", "g.txt:1")]
+        ("chat", "f.yml:conversations[0]"), ("text", "g.txt:1"), ("chat", "h.jsonl:1"), ("chat", "h.jsonl:2")]
     by = {Path(r.source).name: r for r in recs}
     assert by["a.jsonl:1"].text == w[0]
     assert (by["a.jsonl:3"].instruction, by["a.jsonl:3"].input, by["a.jsonl:3"].output) == (w[1], "", w[2])
@@ -157,6 +167,10 @@ def test_every_format_parses(tmp_path, rng):
     assert [m["role"] for m in by["f.yml:conversations[0]"].messages] == ["user", "assistant", "user"]
     assert [m["content"] for m in by["f.yml:conversations[0]"].messages] == [w[10], w[11], w[0]]
     assert by["g.txt:1"].text == w[1] + "\n\n" + w[2]
+    # ShareGPT roles mapped (behind a BOM); tool calls and their keys reach the template unchanged
+    assert by["h.jsonl:1"].messages == ({"role": "system", "content": w[3]}, {"role": "user", "content": w[4]},
+                                       {"role": "assistant", "content": w[5]})
+    assert by["h.jsonl:2"].messages == tuple(tools)
     assert data.load_records(tmp_path / "c.json") == [by["c.json[0]"]]
 
 
@@ -185,7 +199,13 @@ def test_chatterbot_corpus_loads():
     ("shape.json", '{"rows": []}', r"shape.json: expected a list of records.*\['rows'\]"),
     ("data.csv", "text\na\n", r"data.csv: unknown data file extension '.csv'.*\.jsonl"),
     ("sharegpt.json", '{"conversations": [[{"from": "human", "value": "a"}]]}',
-     r"sharegpt.json:conversations\[0\]: turns are objects"),
+     r"sharegpt.json:conversations\[0\]: turns are objects in a list of lists.*one list per record"),
+    ("role.jsonl", '{"conversations": [{"from": "bot", "value": "a"}]}',
+     r"role.jsonl:1: conversations\[0\].from = 'bot': use one of human, user, gpt"),
+    ("gpt.jsonl", '{"messages": [{"role": "human", "content": "a"}, {"role": "gpt", "content": "b"}]}',
+     r"gpt.jsonl:1: messages\[0\].role = 'human' is ShareGPT's name: write 'user'"),
+    ("parts.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}',
+     r"parts.jsonl:1: messages\[0\].content is a list of parts.*join the text parts"),
 ])
 def test_load_errors_name_file_line_and_fix(tmp_path, name, body, match):
     (tmp_path / name).write_text(body)
@@ -283,6 +303,31 @@ def test_zero_targets_raises_naming_file(tok, tmp_path):
     f.write_text(json.dumps({"messages": msgs}) + "\n")
     with pytest.raises(DataError, match=r"long_prompts.jsonl: no token carries a loss.*1 truncated.*max_len"):
         data.tokenize_records(data.load_records(f), tok, max_len=32)
+
+
+def test_tool_calls_reach_the_template(smol_dir, tmp_path):
+    """Message keys beyond role and content render as transformers renders them, and the tool-call
+    turn is a target; a template's raise_exception names the record."""
+    from transformers import AutoTokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+        "[call {{ c.function.name }}]{% endfor %}{% if m.role == 'bad' %}{{ raise_exception('roles must "
+        "alternate') }}{% endif %}<end>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": {}}}]},
+            {"role": "tool", "content": "4", "tool_call_id": "c1"}, {"role": "assistant", "content": "four"}]
+    f = tmp_path / "tools.jsonl"
+    f.write_text(json.dumps({"messages": chat}) + "\n")
+    (ids, mask), = data.tokenize_records(data.load_records(f), ours, max_len=256)
+    text = hf.apply_chat_template(chat, tokenize=False)
+    assert ours.decode(ids, skip_special_tokens=False) == text and "[call add]" in text
+    assert "[call add]<end>" in ours.decode(ids[mask], skip_special_tokens=False)
+    f.write_text(json.dumps({"messages": [{"role": "bad", "content": "x"}, {"role": "assistant", "content": "y"}]}))
+    with pytest.raises(DataError, match=r"tools.jsonl:1: the chat template or the tokenizer failed.*roles must alternate"):
+        data.tokenize_records(data.load_records(f), ours, max_len=256)
 
 
 def test_empty_texts_say_so(tok, tmp_path):

@@ -11,9 +11,12 @@ Files (a folder is read recursively in sorted path order; hidden files and folde
   .yml / .yaml  the same as .json, or a chatterbot corpus file {"conversations": [[q, a, ...]]}
   .txt          the whole file is one plain text; source tag "file:1"
 Record shapes, detected per record (first match wins):
-  chat          {"messages": [{"role": ..., "content": ...}, ...]}, at least one assistant turn
+  chat          {"messages": [{"role": ..., "content": ...}, ...]}, at least one assistant turn;
+                other message keys (tool_calls, name, reasoning_content ...) reach the template
   instruction   {"instruction": ..., "input": ... (optional), "output": ...}
   text          {"text": ...}
+  sharegpt      {"conversations": [{"from": "human" | "gpt" | "system" | "tool", "value": ...}, ...]}:
+                a chat (human -> user, gpt -> assistant)
   chatterbot    {"conversations": [[q, a, q, ...], ...]}: one chat per inner list, turns
                 alternating user / assistant; source tag "file:conversations[index]"; entries that
                 are not lists of 2+ strings are skipped with a DataWarning naming them
@@ -49,7 +52,8 @@ import numpy as np
 
 SUFFIXES = (".jsonl", ".json", ".yml", ".yaml", ".txt")
 SHAPES = ('{"messages": [{"role", "content"}, ...]}, {"instruction", "input"?, "output"}, '
-          '{"text"}, or chatterbot\'s {"conversations": [[question, answer, ...], ...]}')
+          '{"text"}, ShareGPT\'s {"conversations": [{"from", "value"}, ...]} or chatterbot\'s '
+          '{"conversations": [[question, answer, ...], ...]}')
 
 
 class DataError(ValueError):
@@ -63,7 +67,7 @@ class DataWarning(UserWarning):
 @dataclass(frozen=True)
 class Record:
     """One training example. kind: "text" (text), "instruction" (instruction, input, output) or
-    "chat" (messages: a tuple of {"role", "content"} dicts). source: where it came from."""
+    "chat" (messages: a tuple of {"role", "content", ...} dicts). source: where it came from."""
     kind: str
     source: str
     text: str = ""
@@ -121,7 +125,8 @@ def _text(f: Path, data: bytes = None, first_line: int = 1) -> str:
     """f's bytes (or data, f's line first_line on) as UTF-8; DataError naming the line if they are not."""
     data = f.read_bytes() if data is None else data
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
+        return text[1:] if first_line == 1 and text.startswith("\ufeff") else text  # a BOM is no text
     except UnicodeDecodeError as e:
         line = first_line + data.count(b"\n", 0, e.start)
         raise DataError(f"{f}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}): save the file as UTF-8") from None
@@ -189,7 +194,10 @@ def _parse_record(obj, source: str) -> list:
     if "text" in obj:
         return [Record("text", source, text=_string(obj["text"], "text", source))]
     if "conversations" in obj:
-        return _chatterbot(obj["conversations"], source)
+        conv = obj["conversations"]
+        if isinstance(conv, list) and conv and all(isinstance(t, dict) for t in conv):
+            return [Record("chat", source, messages=_check_messages(_sharegpt(conv, source), source))]
+        return _chatterbot(conv, source)
     raise DataError(f"{source}: unknown record format (keys found: {sorted(map(str, obj))}): "
                     f"write one of {SHAPES}")
 
@@ -210,7 +218,29 @@ def _instruction(obj, source: str) -> Record:
                   input=_string(inp, "input", source), output=_string(obj["output"], "output", source))
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
+
+
+def _sharegpt(turns, source: str) -> list:
+    """ShareGPT's {"conversations": [{"from", "value"}, ...]} as chat messages (human -> user,
+    gpt -> assistant, system, tool)."""
+    out = []
+    for j, t in enumerate(turns):
+        if "from" not in t or "value" not in t:
+            raise DataError(f"{source}: conversations[{j}] needs 'from' and 'value' (found {sorted(map(str, t))}): "
+                            'ShareGPT turns are {"from": "human" | "gpt" | "system", "value": "..."}')
+        role = SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+        if role is None:
+            raise DataError(f"{source}: conversations[{j}].from = {t['from']!r}: use one of "
+                            f"{', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": t["value"]})
+    return out
+
+
 def _check_messages(messages, source: str) -> tuple:
+    """Messages as the chat template gets them: role and content checked, other keys (tool_calls,
+    name, reasoning_content, tool_call_id ...) passed through as transformers passes them."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{source}: 'messages' must be a non-empty list of {{\"role\", \"content\"}}")
     out = []
@@ -219,8 +249,16 @@ def _check_messages(messages, source: str) -> tuple:
             keys = sorted(map(str, m)) if isinstance(m, dict) else type(m).__name__
             raise DataError(f"{source}: message {j} needs 'role' and 'content' (found {keys}): "
                             'write {"role": "user" | "assistant" | "system", "content": "..."}')
-        out.append({"role": _string(m["role"], f"messages[{j}].role", source),
-                    "content": _string(m["content"], f"messages[{j}].content", source)})
+        role, content = _string(m["role"], f"messages[{j}].role", source), m["content"]
+        if role in ("human", "gpt"):
+            raise DataError(f"{source}: messages[{j}].role = {role!r} is ShareGPT's name: write "
+                            f"{SHAREGPT_ROLES[role]!r}, or use the ShareGPT shape {{\"conversations\": [{{\"from\", \"value\"}}]}}")
+        if isinstance(content, list):
+            raise DataError(f"{source}: messages[{j}].content is a list of parts: lean trains text models; "
+                            "join the text parts into one string")
+        if not (content is None and m.get("tool_calls")):  # OpenAI's tool-call turns carry null content
+            _string(content, f"messages[{j}].content", source)
+        out.append(dict(m))
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{source}: the chat has no assistant turn, so nothing to learn: add an "
                         "assistant message or drop the record")
@@ -235,8 +273,8 @@ def _chatterbot(conversations, source: str) -> list:
     records, skipped = [], []
     for i, conv in enumerate(conversations):
         if isinstance(conv, list) and conv and isinstance(conv[0], dict):
-            raise DataError(f"{source}:conversations[{i}]: turns are objects (ShareGPT style?): "
-                            'convert them to {"messages": [{"role", "content"}, ...]}')
+            raise DataError(f"{source}:conversations[{i}]: turns are objects in a list of lists: ShareGPT "
+                            'records are {"conversations": [{"from", "value"}, ...]}, one list per record')
         if not (isinstance(conv, list) and len(conv) >= 2 and all(isinstance(t, str) for t in conv)):
             skipped.append(i)
             continue
@@ -279,7 +317,14 @@ def tokenize_records(records, tok, *, max_len: int, stats: dict = None) -> list:
                   truncated=0, dropped=0)
     docs = []
     for rec in records:
-        for ids, mask in _record_docs(rec, tok, max_len, counts):
+        try:
+            rec_docs = _record_docs(rec, tok, max_len, counts)
+        except DataError:
+            raise
+        except Exception as e:  # the template's raise_exception, a lone surrogate the tokenizer refuses ...
+            raise DataError(f"{rec.source}: the chat template or the tokenizer failed on this record "
+                            f"({type(e).__name__}: {e}): fix the record or drop it") from e
+        for ids, mask in rec_docs:
             n_targets = int(mask[1:].sum())  # token 0 has no predecessor: never a target
             if n_targets == 0:
                 counts["dropped"] += 1
@@ -322,7 +367,7 @@ def _record_docs(rec: Record, tok, max_len: int, counts: dict) -> list:
 
 def _text_docs(text: str, tok, max_len: int, counts: dict) -> list:
     ids = tok.encode(text, add_special_tokens=True)
-    if tok.eos_id is not None:
+    if tok.eos_id is not None and (not ids or ids[-1] != tok.eos_id):  # unless the post-processor added it
         ids.append(tok.eos_id)
     ids = np.asarray(ids, np.int32)
     docs = [(w, np.ones(len(w), bool)) for w in np.split(ids, range(max_len, len(ids), max_len))]
@@ -336,8 +381,10 @@ def _plain_instruction(rec: Record, tok):
     full = prompt + rec.output
     ids, offsets = tok.encode_with_offsets(full, add_special_tokens=True)
     mask = _mask_from_spans(offsets, [(len(prompt), len(full))])
-    if tok.eos_id is not None:
+    if tok.eos_id is not None and (not ids or ids[-1] != tok.eos_id):  # unless the post-processor added it
         ids, mask = list(ids) + [tok.eos_id], np.append(mask, True)
+    elif tok.eos_id is not None and len(mask):
+        mask[-1] = True  # the post-processor's EOS: a target too
     return np.asarray(ids, np.int32), mask
 
 

@@ -42,3 +42,9 @@ def test_generate_stops_at_a_stop_token_and_base_model_works(tmp_path):
     assert stopped == first[:first.index(first[1]) + 1]
     with pytest.raises(ValueError, match="prompt is empty"):
         generate(model, None, [], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt ids \[100000\] are outside the vocabulary.*not this model's"):
+        generate(model, None, [3, 100000], max_new_tokens=2)
+    from lean.runtime.observe import _generation_eos
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text('{"eos_token_id": [128001, 128009]}')
+    assert _generation_eos(tmp_path / "gen") == {128001, 128009} and _generation_eos(tmp_path / "none") == set()

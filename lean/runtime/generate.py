@@ -106,9 +106,13 @@ def generate(model, lora, prompt_ids, max_new_tokens=32, stop_ids=(), on_logits=
     called for every step (tests compare them with a cache-free forward)."""
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (give at least one token, e.g. the BOS token)")
+    cfg, dev = model.config, model.device
+    bad = [i for i in prompt_ids if not 0 <= int(i) < cfg.vocab]
+    if bad:
+        raise ValueError(f"generate: prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab}): "
+                         "the tokenizer is not this model's")
     if max_new_tokens < 1:
         return []
-    cfg, dev = model.config, model.device
     L = len(prompt_ids) + max_new_tokens
     cache = [(torch.empty(L, cfg.n_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev),
               torch.empty(L, cfg.n_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev))

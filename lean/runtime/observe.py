@@ -105,6 +105,16 @@ class Metrics:
         self.close()
 
 
+def _generation_eos(model_dir) -> set:
+    """generation_config.json's eos_token_id (an id or a list: Llama 3 ends turns with <|eot_id|>,
+    which its tokenizer's eos_token is not); empty when the folder has none."""
+    try:
+        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return set()
+    return {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+
+
 def _step_of(line) -> float:
     """A metrics line's step; inf for a line a killed run left torn (dropped on resume)."""
     try:
@@ -120,6 +130,6 @@ def sample(model, lora, tok, prompt, max_new_tokens=32):
         ids = tok.encode(text)
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    stop = {i for i in (tok.eos_id,) if i is not None}
+    stop = {i for i in (tok.eos_id,) if i is not None} | _generation_eos(model.path)
     out = generate(model, lora, ids, max_new_tokens=max_new_tokens, stop_ids=stop)
     return tok.decode(out, skip_special_tokens=True).strip()

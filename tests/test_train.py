@@ -10,11 +10,14 @@ runs are few and short (about 1.5 s a step).
 import json
 import os
 import random
+import shutil
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 import torch
 
+import lean.runtime.checkpoint as C
 import lean.runtime.train as T
 from lean.cli import build_parser, config_from_args, main
 from tests.hf_models import build_hf
@@ -64,7 +67,7 @@ def _cfg(setup, out, **kw):
 
 
 def _metrics(out, kind):
-    lines = [json.loads(x) for x in (out / T.METRICS).read_text().splitlines()]
+    lines = [json.loads(x) for x in (out / C.METRICS).read_text().splitlines()]
     return {m["step"]: m["loss"] for m in lines if m["kind"] == kind}
 
 
@@ -89,7 +92,7 @@ def test_samples_and_tensorboard(full_run):
     """Greedy samples before and after (through the KV-cache path) land in the result and the
     metrics; the TensorBoard log holds the same train and eval scalars as metrics.jsonl."""
     cfg, result = full_run
-    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / T.METRICS).read_text().splitlines()]
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / C.METRICS).read_text().splitlines()]
     samples = [m for m in lines if m["kind"] == "sample"]
     assert [(m["when"], m["step"]) for m in samples] == [("before", 0), ("after", 6)]
     assert [m["text"] for m in samples] == [result["sample_before"], result["sample_after"]]
@@ -187,11 +190,11 @@ def test_resume_drops_the_records_of_lost_steps(full_run, setup, monkeypatch):
         T.train(cfg)
     assert json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())["step"] == 4
     monkeypatch.setattr(T, "forward_backward", real_fb)
-    with open(T.Path(cfg.out_dir) / T.METRICS, "a") as fh:
+    with open(T.Path(cfg.out_dir) / C.METRICS, "a") as fh:
         fh.write('{"kind": "train", "step": 6, "lo')  # a line the kill tore
     cfg.resume = True
     T.train(cfg)
-    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / T.METRICS).read_text().splitlines()]
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / C.METRICS).read_text().splitlines()]
     assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     full = _metrics(T.Path(cfg_full.out_dir), "train")
     assert [m["loss"] for m in lines if m["kind"] == "train"] == [full[s] for s in range(1, 7)]
@@ -262,7 +265,7 @@ def test_fresh_run_refuses_an_earlier_runs_folder(setup):
 def test_resume_refuses_other_documents(setup, tmp_path):
     cfg = _cfg(setup, "other-docs", steps=2)
     T.Path(cfg.out_dir).mkdir()
-    T.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), T._state(cfg, 1, 0, 1, 1, fingerprint="0123456789abcdef"))
+    C.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), C.run_state(cfg, 1, 0, 1, 1, fingerprint="0123456789abcdef"))
     cfg.resume = True
     with pytest.raises(T.TrainError, match="other training documents.*0123456789abcdef vs now [0-9a-f]{16}"):
         T.train(cfg)
@@ -270,8 +273,8 @@ def test_resume_refuses_other_documents(setup, tmp_path):
 
 def test_resume_refuses_other_settings(full_run):
     cfg, _ = full_run
-    T.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), T._state(cfg, 1, 0, 1, 1))
-    other = T.TrainConfig(**{**T.asdict(cfg), "r": 8, "resume": True})
+    C.save_checkpoint(cfg.out_dir, *_lora_opt(cfg), C.run_state(cfg, 1, 0, 1, 1))
+    other = T.TrainConfig(**{**asdict(cfg), "r": 8, "resume": True})
     with pytest.raises(T.TrainError, match="r: checkpoint 4 vs now 8"):
         T.train(other)
 
@@ -287,7 +290,7 @@ def test_checkpoint_is_atomic(setup, monkeypatch):
     lora, opt = _lora_opt(cfg)
     opt.m.copy_(T.torch.randn_like(opt.m))
     random.seed(3)
-    T.save_checkpoint(cfg.out_dir, lora, opt, T._state(cfg, 2, 0, 5, 2))
+    C.save_checkpoint(cfg.out_dir, lora, opt, C.run_state(cfg, 2, 0, 5, 2))
     good_m = opt.m.clone()
     opt.m.add_(1.0)
 
@@ -296,17 +299,17 @@ def test_checkpoint_is_atomic(setup, monkeypatch):
 
     monkeypatch.setattr("safetensors.torch.save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        T.save_checkpoint(cfg.out_dir, lora, opt, T._state(cfg, 4, 0, 9, 4))
+        C.save_checkpoint(cfg.out_dir, lora, opt, C.run_state(cfg, 4, 0, 9, 4))
     monkeypatch.undo()
     assert sorted(p.name for p in T.Path(cfg.out_dir).iterdir()) == ["checkpoint"]  # no temp left
     lora2, opt2 = _lora_opt(cfg)
-    state = T.load_checkpoint(cfg.out_dir, cfg, lora2, opt2)
+    state = C.load_checkpoint(cfg.out_dir, cfg, lora2, opt2)
     assert (state["step"], state["batch_index"], opt2.step_count, lora2.steps) == (2, 5, 2, 2)
     assert T.torch.equal(opt2.m, good_m)
     assert random.random() == (random.seed(3), random.random())[1]  # python RNG state restored
     # a save that died between its two renames: checkpoint.old is found
-    T.os.replace(T.Path(cfg.out_dir) / "checkpoint", T.Path(cfg.out_dir) / "checkpoint.old")
-    assert T.checkpoint_dir(cfg.out_dir).name == "checkpoint.old"
+    os.replace(T.Path(cfg.out_dir) / "checkpoint", T.Path(cfg.out_dir) / "checkpoint.old")
+    assert C.checkpoint_dir(cfg.out_dir).name == "checkpoint.old"
 
 
 def test_checkpoint_is_flushed_before_the_old_one_goes(setup, monkeypatch):
@@ -315,15 +318,15 @@ def test_checkpoint_is_flushed_before_the_old_one_goes(setup, monkeypatch):
     cfg = _cfg(setup, "fsync")
     lora, opt = _lora_opt(cfg)
     out = T.Path(cfg.out_dir)
-    T.save_checkpoint(out, lora, opt, T._state(cfg, 1, 0, 1, 1))
-    synced, real = [], T._fsync
+    C.save_checkpoint(out, lora, opt, C.run_state(cfg, 1, 0, 1, 1))
+    synced, real = [], C._fsync
 
     def record(p):
         synced.append((p.relative_to(out).as_posix() if p != out else ".", (out / "checkpoint.old").exists()))
         real(p)
 
-    monkeypatch.setattr(T, "_fsync", record)
-    T.save_checkpoint(out, lora, opt, T._state(cfg, 2, 0, 2, 2))
+    monkeypatch.setattr(C, "_fsync", record)
+    C.save_checkpoint(out, lora, opt, C.run_state(cfg, 2, 0, 2, 2))
     names = [n.split("/", 1)[-1] if n.startswith("checkpoint.tmp-") else n for n, _ in synced]
     assert {"state.json", "state.safetensors", "adapter/adapter_model.safetensors",
             "adapter/adapter_config.json", "adapter"} <= set(names), names
@@ -335,23 +338,23 @@ def test_unreadable_checkpoint_names_the_file_or_falls_back(setup):
     cfg = _cfg(setup, "corrupt")
     lora, opt = _lora_opt(cfg)
     out = T.Path(cfg.out_dir)
-    T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))
+    C.save_checkpoint(out, lora, opt, C.run_state(cfg, 3, 0, 3, 3))
     blob = (out / "checkpoint" / "state.safetensors").read_bytes()
     (out / "checkpoint" / "state.safetensors").write_bytes(blob[:len(blob) // 2])
     with pytest.raises(T.TrainError, match="state.safetensors is unreadable.*restore the folder from a copy, or "
                        "start over with --overwrite"):
-        T.load_checkpoint(out, cfg, *_lora_opt(cfg))
+        C.load_checkpoint(out, cfg, *_lora_opt(cfg))
     (out / "checkpoint" / "state.json").write_text("")
     with pytest.raises(T.TrainError, match="state.json is unreadable"):
-        T.load_checkpoint(out, cfg, *_lora_opt(cfg))
-    T.save_checkpoint(out, lora, opt, T._state(cfg, 3, 0, 3, 3))  # a good checkpoint.old beside a
-    T.shutil.copytree(out / "checkpoint", out / "checkpoint.old")  # broken checkpoint: resumed from
+        C.load_checkpoint(out, cfg, *_lora_opt(cfg))
+    C.save_checkpoint(out, lora, opt, C.run_state(cfg, 3, 0, 3, 3))  # a good checkpoint.old beside a
+    shutil.copytree(out / "checkpoint", out / "checkpoint.old")  # broken checkpoint: resumed from
     (out / "checkpoint" / "state.json").write_text(json.dumps({"step": 4}))
-    assert T.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
+    assert C.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
     # the good one is in place for the next save to keep; the broken one is set aside, not lost
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "checkpoint.bad"]
     assert json.loads((out / "checkpoint.bad" / "state.json").read_text()) == {"step": 4}
-    assert T.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
+    assert C.load_checkpoint(out, cfg, *_lora_opt(cfg))["step"] == 3
 
 
 def test_nonfinite_grad_norm_names_the_step(setup, monkeypatch):

@@ -17,11 +17,8 @@ Outputs in out_dir:
                   "tokens", "tokens_per_s", "seconds"} and per evaluation {"kind": "eval", "step",
                   "loss", "targets"}; appended to on resume, after the records of steps past
                   the checkpoint (logged by a run killed before its next save) are dropped
-  checkpoint/     adapter/ (PEFT layout), state.safetensors (LoRA params, AdamW m and v, fp32) and
-                  state.json (step, data position, LoRA dropout counter, python/numpy RNG states,
-                  the config, the training documents' fingerprint); written as checkpoint.tmp-<pid>,
-                  flushed to the disk (fsync) and renamed into place, the previous checkpoint kept
-                  as checkpoint.old until the renames are on the disk
+  checkpoint/     every save_every steps, on Ctrl-C and on OOM: the LoRA params, AdamW state and
+                  the run's position, written so a crash never corrupts it (checkpoint.py)
   adapter/        the final adapter (PEFT layout: PeftModel.from_pretrained loads it), written when
                   the last step ends, before the final evaluation and sample
 
@@ -53,39 +50,28 @@ Tested: tests/test_train.py (loss goes down, resume == uninterrupted after an in
 or between steps, atomic and flushed checkpoints, NaN/inf errors, OOM, the out_dir guard, CLI;
 on the GPU the graph run against the eager one).
 """
-import json
 import math
 import os
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .batch import pack
+from .checkpoint import (CHECKPOINT, TrainError, data_fingerprint, earlier_run, prepare_out_dir, read_checkpoint,
+                         restore_checkpoint, run_state, save_checkpoint)
 from .data import load_records, pack_batches, split_heldout, tokenize_records
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
-from .observe import METRICS, Metrics, Progress, sample
+from .observe import Metrics, Progress, sample
 from .graph import StepGraph
 from .optim import AdamW
 from .planner import format_plan, plan_for
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
-
-CHECKPOINT = "checkpoint"
-# Fields that must match between a checkpoint and a resumed run (they change batches or weights).
-RESUME_KEYS = ("max_tokens", "grad_accum", "steps", "lr", "warmup_steps", "min_lr_ratio",
-               "weight_decay", "max_grad_norm", "r", "alpha", "dropout", "targets", "seed",
-               "heldout_fraction")
-
-
-class TrainError(RuntimeError):
-    pass
-
 
 @dataclass
 class TrainConfig:
@@ -151,52 +137,6 @@ def build_data(cfg, tok):
     return train_docs, heldout, stats
 
 
-def data_fingerprint(docs) -> str:
-    """A short hash of the training documents' tokens and loss masks: a resumed run must train on
-    the same ones (a path can move; the documents must not change)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for ids, mask in docs:
-        h.update(len(ids).to_bytes(8, "little"))
-        h.update(np.asarray(ids, np.int32).tobytes())
-        h.update(np.packbits(np.asarray(mask, bool)).tobytes())
-    return h.hexdigest()[:16]
-
-
-RUN_MARKS = (CHECKPOINT, f"{CHECKPOINT}.old", METRICS)         # an out_dir holding one holds a run
-RUN_FILES = RUN_MARKS + ("adapter", "tb", "merged", f"{CHECKPOINT}.bad")  # what --overwrite deletes
-
-
-def earlier_run(cfg) -> list:
-    """The earlier run's files in out_dir that --overwrite would delete; TrainError when a fresh
-    run (neither resume nor overwrite) meets one: its checkpoint and metrics would mix with this
-    run's. Called before anything loads; nothing is deleted here."""
-    out = Path(cfg.out_dir)
-    if cfg.resume and cfg.overwrite:
-        raise TrainError("--resume and --overwrite: pass one (continue the run in --out, or delete it and start over)")
-    if cfg.resume or not any((out / n).exists() for n in RUN_MARKS):
-        return []
-    found = [out / n for n in RUN_FILES if (out / n).exists()]
-    if not cfg.overwrite:
-        cont = "pass --resume to continue it, " if any((out / n / "state.json").is_file() for n in RUN_MARKS[:2]) else ""
-        raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in found)}): {cont}pass "
-                         "--overwrite to delete it and start over, or another --out")
-    return found
-
-
-def prepare_out_dir(out_dir, delete=()) -> Path:
-    """out_dir made ready once the run has loaded: the files of `delete` (earlier_run's) go, and
-    a checkpoint.tmp-* left by a killed save."""
-    out = Path(out_dir)
-    for p in delete:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob(f"{CHECKPOINT}.tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
-    return out
-
-
 def lr_at(step, cfg) -> float:
     """LR of optimizer step `step` (1-based): linear warm-up, then cosine to lr * min_lr_ratio."""
     if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
@@ -232,169 +172,6 @@ def evaluate(model, lora, batches) -> tuple:
         sums.append(loss_sum)
         count += n
     return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
-
-
-# ---------------------------------------------------------------- checkpoints
-
-def _fsync(path):
-    """Flush a file, or a folder's entries, to the disk: after a power loss the renamed checkpoint
-    holds complete files, never empty ones. Files open read-write (Windows flushes no read-only
-    handle); folders only where the system allows it (POSIX; some mounts refuse: then skipped)."""
-    if path.is_dir():
-        if os.name != "posix":
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-    else:
-        fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(out_dir, lora, opt, state: dict):
-    """Write out_dir/checkpoint atomically: a temp folder, flushed to the disk, then renamed into
-    place; the previous checkpoint (checkpoint.old meanwhile) goes only once the renames are on disk."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    final, tmp, old = out_dir / CHECKPOINT, out_dir / f"{CHECKPOINT}.tmp-{os.getpid()}", out_dir / f"{CHECKPOINT}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        lora.save(tmp / "adapter")
-        tensors = {"params": lora.params, "m": opt.m, "v": opt.v}
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # sync: save point
-        save_file(tensors, str(tmp / "state.safetensors"))
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:  # files before their folders
-            _fsync(p)
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)  # keep the last good one until the new one is in place
-        os.replace(tmp, final)
-        _fsync(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-def checkpoint_dirs(out_dir) -> list:
-    """The checkpoint folders to resume from, newest first: checkpoint, and checkpoint.old where a
-    save died between its two renames."""
-    out_dir = Path(out_dir)
-    found = [out_dir / n for n in (CHECKPOINT, f"{CHECKPOINT}.old") if (out_dir / n / "state.json").is_file()]
-    if not found:
-        fresh = ("start over with --overwrite instead of --resume" if (out_dir / METRICS).exists()
-                 else "run without --resume")
-        raise TrainError(f"--resume: no checkpoint in {out_dir} (expected {out_dir / CHECKPOINT}/state.json): "
-                         f"{fresh}, or pass the --out folder of the interrupted run")
-    return found
-
-
-def checkpoint_dir(out_dir) -> Path:
-    """The newest checkpoint folder (see checkpoint_dirs)."""
-    return checkpoint_dirs(out_dir)[0]
-
-
-STATE_KEYS = ("step", "epoch", "batch_index", "lora_steps", "python_rng", "numpy_rng", "config")
-
-
-def _read_checkpoint(d) -> tuple:
-    """(state.json, state.safetensors' tensors) of one checkpoint folder; TrainError naming the
-    file when either is unreadable or incomplete."""
-    from safetensors.torch import load_file
-
-    try:
-        state = json.loads((d / "state.json").read_text())
-        missing = [k for k in STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)}")
-    except (OSError, ValueError) as e:
-        raise TrainError(f"{d / 'state.json'} is unreadable ({e})") from e
-    try:
-        t = load_file(str(d / "state.safetensors"))
-        missing = [k for k in ("params", "m", "v") if k not in t]
-        if missing:
-            raise ValueError(f"no tensor {', '.join(missing)}")
-    except Exception as e:  # safetensors raises its own SafetensorError on a truncated file
-        raise TrainError(f"{d / 'state.safetensors'} is unreadable ({e})") from e
-    return state, t
-
-
-def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
-    """(state.json, tensors) of the checkpoint to resume from, checked against cfg and the training
-    documents' fingerprint (see data_fingerprint; when both have one) before anything loads. An
-    unreadable checkpoint falls back to checkpoint.old where one is left: the broken one moves to
-    checkpoint.bad and the old one into its place, so the next save has a good one to keep."""
-    out_dir, errors = Path(out_dir), []
-    for d in checkpoint_dirs(out_dir):
-        try:
-            state, t = _read_checkpoint(d)
-            break
-        except TrainError as e:
-            errors.append(str(e))
-    else:
-        raise TrainError(f"--resume: {'; '.join(errors)}: restore the folder from a copy, or start over "
-                         "with --overwrite instead of --resume")
-    if errors:
-        bad = out_dir / f"{CHECKPOINT}.bad"
-        shutil.rmtree(bad, ignore_errors=True)
-        os.replace(out_dir / CHECKPOINT, bad)
-        os.replace(d, out_dir / CHECKPOINT)
-        d = out_dir / CHECKPOINT
-        print(f"lean-train: {errors[0]}: resuming from the save before it (checkpoint.old, now {d}; the "
-              f"unreadable one is kept as {bad})", flush=True)
-    saved, now = state["config"], asdict(cfg)
-    diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
-    if diff:
-        shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
-        raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
-                         "settings to resume, or start a new run with another --out")
-    if fingerprint is not None and state.get("data") not in (None, fingerprint):
-        raise TrainError(f"{d}: the checkpoint was made on other training documents (data {cfg.data}, "
-                         f"fingerprint {state['data']} vs now {fingerprint}): resume with the run's data, "
-                         "or start a new run with another --out")
-    return state, t
-
-
-def restore_checkpoint(state, t, lora, opt):
-    """Params, AdamW state, the dropout counter and RNG states from read_checkpoint's result."""
-    if t["params"].numel() != lora.params.numel():
-        raise TrainError(f"the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
-                         f"{lora.params.numel()}: another model? Start a new run with another --out")
-    lora.params.copy_(t["params"])
-    lora.sync_lowp()
-    lora.steps = int(state["lora_steps"])
-    opt.load_state_dict({"m": t["m"], "v": t["v"], "step": state["step"]})
-    random.setstate(_py_state_from_json(state["python_rng"]))
-    np.random.set_state(_np_state_from_json(state["numpy_rng"]))
-    return state
-
-
-def load_checkpoint(out_dir, cfg, lora, opt, fingerprint=None) -> dict:
-    """read_checkpoint + restore_checkpoint; returns state.json."""
-    return restore_checkpoint(*read_checkpoint(out_dir, cfg, fingerprint), lora, opt)
-
-
-def _np_state_to_json(st):
-    return [st[0], st[1].tolist(), int(st[2]), int(st[3]), float(st[4])]  # sync: none (numpy RNG state)
-
-
-def _np_state_from_json(st):
-    return (st[0], np.asarray(st[1], dtype=np.uint32), st[2], st[3], st[4])
-
-
-def _py_state_from_json(st):
-    return (st[0], tuple(st[1]), st[2])
 
 
 # ---------------------------------------------------------------- the loop
@@ -475,12 +252,6 @@ def _oom_error(cfg, e, saved=None):
     return TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens (raise "
                       "--grad-accum to keep the tokens per step), or set --vram-budget GiB to recompute/offload "
                       f"activations{kept}")
-
-
-def _state(cfg, step, epoch, index, lora_steps, fingerprint=None):
-    return {"step": step, "epoch": epoch, "batch_index": index, "lora_steps": lora_steps,
-            "python_rng": random.getstate(), "numpy_rng": _np_state_to_json(np.random.get_state()),
-            "config": asdict(cfg), "data": fingerprint}
 
 
 GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs eagerly)
@@ -571,13 +342,13 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                 metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
             if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+                save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
     except torch.cuda.OutOfMemoryError as e:
         progress.close()
         if in_update or step == done_at_start:  # an update half done, or nothing new to keep
             raise
         try:  # the parameters are whole: an OOM leaves them as the last completed step left them
-            saved = save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+            saved = save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
         except Exception:
             raise e from None
         raise _oom_error(cfg, e, saved) from e
@@ -586,12 +357,12 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
         if in_update:
             raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}: the previous "
                                     f"checkpoint in {out / CHECKPOINT} is kept; resume with --resume") from None
-        save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+        save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
         raise KeyboardInterrupt(f"interrupted after step {step}: checkpoint saved in {out / CHECKPOINT}; "
                                 "continue with the same command plus --resume") from None
     progress.close()
     if cfg.save_every:
-        save_checkpoint(out, lora, opt, _state(cfg, step, *pos, fingerprint))
+        save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
     lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
     if eval_batches:
         eval_loss, n = evaluate(model, lora, eval_batches)

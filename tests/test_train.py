@@ -66,6 +66,21 @@ def _cfg(setup, out, **kw):
     return T.TrainConfig(**base)
 
 
+def _raise_on_call(monkeypatch, name, n, exc):
+    """T.<name> raises exc on its n-th call (the others run): a crash at a chosen point of the loop."""
+    real, calls = getattr(T, name), {"n": 0}
+
+    def wrapped(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise exc
+        return real(*a, **k)
+    monkeypatch.setattr(T, name, wrapped)
+
+
+OOM = T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 def _metrics(out, kind):
     lines = [json.loads(x) for x in (out / C.METRICS).read_text().splitlines()]
     return {m["step"]: m["loss"] for m in lines if m["kind"] == kind}
@@ -111,63 +126,32 @@ def test_samples_and_tensorboard(full_run):
 
 def test_out_of_memory_names_the_flag(setup, monkeypatch):
     cfg = _cfg(setup, "oom", steps=2)
-
-    def oom(*a, **k):
-        raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(T, "forward_backward", oom)
+    _raise_on_call(monkeypatch, "forward_backward", 1, OOM)  # in step 1: nothing to save yet
     with pytest.raises(T.TrainError, match="out of GPU memory at max_tokens=64.*lower --max-tokens"):
         T.train(cfg)
 
 
-def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch):
+@pytest.mark.parametrize("where", ["in a step", "after a step"])
+def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch, where):
+    """Ctrl-C inside step 4's forward, or in the held-out evaluation after step 2 (the step complete,
+    its position counted): the checkpoint holds the last completed step at its data position, and
+    the resumed run's per-step losses equal the uninterrupted run's, exactly on CPU."""
     cfg_full, _ = full_run
-    cfg = _cfg(setup, "resumed", seed=7)
-    calls = {"n": 0}
-    real = T.forward_backward
-
-    def interrupt_at_step_4(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "forward_backward", interrupt_at_step_4)
-    with pytest.raises(KeyboardInterrupt, match="after step 3.*--resume"):
+    if where == "in a step":
+        cfg, done = _cfg(setup, "resumed", seed=7), 3
+        _raise_on_call(monkeypatch, "forward_backward", 4, KeyboardInterrupt)
+    else:
+        cfg, done = _cfg(setup, "resumed-eval", seed=7, eval_every=2), 2
+        _raise_on_call(monkeypatch, "evaluate", 2, KeyboardInterrupt)  # the first is before training
+    with pytest.raises(KeyboardInterrupt, match=f"after step {done}.*--resume"):
         T.train(cfg)
-    monkeypatch.setattr(T, "forward_backward", real)
+    monkeypatch.undo()
     state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
-    assert state["step"] == 3 and state["lora_steps"] == 3
+    assert (state["step"], state["batch_index"], state["lora_steps"]) == (done, done, done)
     cfg.resume = True
     T.train(cfg)
     full, resumed = _metrics(T.Path(cfg_full.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
     assert sorted(resumed) == list(range(1, 7))
-    assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]  # exact on CPU
-
-
-def test_interrupt_after_a_step_resumes_exactly(full_run, setup, monkeypatch):
-    """A Ctrl-C in the held-out evaluation after step 2 (the step complete, its position counted)
-    checkpoints step 2 at step 2's data position; the resumed losses equal the uninterrupted run's."""
-    cfg_full, _ = full_run
-    cfg = _cfg(setup, "resumed-eval", seed=7, eval_every=2)
-    calls = {"n": 0}
-    real = T.evaluate
-
-    def interrupt_second_eval(*a, **k):  # the first is the one before training
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "evaluate", interrupt_second_eval)
-    with pytest.raises(KeyboardInterrupt, match="after step 2.*--resume"):
-        T.train(cfg)
-    monkeypatch.setattr(T, "evaluate", real)
-    state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
-    assert (state["step"], state["batch_index"], state["lora_steps"]) == (2, 2, 2)
-    cfg.resume = True
-    T.train(cfg)
-    full, resumed = _metrics(T.Path(cfg_full.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
     assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]
 
 
@@ -176,20 +160,12 @@ def test_resume_drops_the_records_of_lost_steps(full_run, setup, monkeypatch):
     steps 5 and 6 are logged once each (metrics.jsonl and TensorBoard), with the uninterrupted losses."""
     cfg_full, _ = full_run
     cfg = _cfg(setup, "killed", seed=7, save_every=4)
-    real_fb = T.forward_backward
-    calls = {"n": 0}
-
-    def killed_at_step_6(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise SystemExit("killed")  # no handler runs for it: like a SIGKILL, nothing is saved
-        return real_fb(*a, **k)
-
-    monkeypatch.setattr(T, "forward_backward", killed_at_step_6)
+    # no handler runs for a SystemExit: like a SIGKILL, nothing is saved
+    _raise_on_call(monkeypatch, "forward_backward", 6, SystemExit("killed"))
     with pytest.raises(SystemExit):
         T.train(cfg)
     assert json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())["step"] == 4
-    monkeypatch.setattr(T, "forward_backward", real_fb)
+    monkeypatch.undo()
     with open(T.Path(cfg.out_dir) / C.METRICS, "a") as fh:
         fh.write('{"kind": "train", "step": 6, "lo')  # a line the kill tore
     cfg.resume = True
@@ -207,15 +183,7 @@ def test_resume_drops_the_records_of_lost_steps(full_run, setup, monkeypatch):
 
 def test_out_of_memory_mid_run_saves_the_completed_steps(setup, monkeypatch):
     cfg = _cfg(setup, "oom-mid", steps=4)
-    real, calls = T.forward_backward, {"n": 0}
-
-    def oom_at_step_3(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "forward_backward", oom_at_step_3)
+    _raise_on_call(monkeypatch, "forward_backward", 3, OOM)
     with pytest.raises(T.TrainError, match="out of GPU memory.*saved in .*checkpoint.*--resume"):
         T.train(cfg)
     state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
@@ -225,15 +193,7 @@ def test_out_of_memory_mid_run_saves_the_completed_steps(setup, monkeypatch):
 def test_out_of_memory_after_training_keeps_the_adapter(setup, monkeypatch):
     """The adapter is written when the last step ends: an OOM in the final evaluation loses nothing."""
     cfg = _cfg(setup, "oom-final", steps=2, save_every=0)
-    real, calls = T.evaluate, {"n": 0}
-
-    def oom_in_final_eval(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the first is the one before training
-            raise T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "evaluate", oom_in_final_eval)
+    _raise_on_call(monkeypatch, "evaluate", 2, OOM)  # the final one; the first is before training
     with pytest.raises(T.TrainError, match="out of GPU memory"):
         T.train(cfg)
     assert sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]

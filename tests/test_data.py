@@ -330,6 +330,15 @@ def test_tool_calls_reach_the_template(smol_dir, tmp_path):
         data.tokenize_records(data.load_records(f), ours, max_len=256)
 
 
+def test_chats_need_a_chat_template(smol_dir, tmp_path):
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(TokenizerError, match="no chat template: add chat_template.jinja"):
+        data.tokenize_records(data.load_records(f), Tokenizer.from_dir(tmp_path), max_len=64)
+
+
 def test_empty_texts_say_so(tok, tmp_path):
     f = tmp_path / "empty_texts.jsonl"
     f.write_text('{"text": ""}\n{"text": ""}\n')

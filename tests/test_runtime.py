@@ -206,6 +206,13 @@ def test_adapter_round_trip_with_peft(tmp_path, qwen3_dir):
     assert torch.equal(back.params, lora.params)
     back_logits = lean.forward(model, back, lean.pack(docs, max_tokens=16, device=DEVICE)).cpu()
     assert torch.equal(back_logits, ours_logits)
+    # PEFT's "all-linear" (saved as full module paths) and rsLoRA load: every projection, PEFT's scale
+    from peft import LoraConfig, get_peft_model
+    hf2 = AutoModelForCausalLM.from_pretrained(qwen3_dir, torch_dtype=torch.float32)
+    pm2 = get_peft_model(hf2, LoraConfig(r=3, lora_alpha=5, target_modules="all-linear", use_rslora=True))
+    pm2.save_pretrained(tmp_path / "all-linear")
+    every = lean.LoRA.load(model, tmp_path / "all-linear")
+    assert every.targets == lean.runtime.lora.TARGETS and abs(every.scale - 5 / 3 ** 0.5) < 1e-12
 
 
 def test_adapter_errors(tmp_path, qwen3_dir):
@@ -240,11 +247,12 @@ def test_adapter_errors(tmp_path, qwen3_dir):
 
     # PEFT features that change the computation are refused by name, never dropped
     for key, val in (("lora_bias", True), ("trainable_token_indices", [3, 5]), ("layer_replication", [[0, 2]]),
-                     ("exclude_modules", ["q_proj"]), ("alpha_pattern", {"q_proj": 4})):
+                     ("alpha_pattern", {"q_proj": 4})):
         with pytest.raises(lean.LoRAError, match=f"{key}=.*merge this adapter with PEFT"):
             lean.LoRA.load(model, variant(key, cfg_edit=lambda c: c.update({key: val})))
-    with pytest.raises(lean.LoRAError, match=r"target_modules \['lm_head'\]"):
-        lean.LoRA.load(model, variant("lm", cfg_edit=lambda c: c["target_modules"].append("lm_head")))
+    head = "base_model.model.lm_head.lora_A.weight"
+    with pytest.raises(lean.LoRAError, match="1 tensor.*would not apply.*lm_head"):
+        lean.LoRA.load(model, variant("lm", tensors_edit=lambda t: t.update({head: torch.zeros(4, 8)})))
     # tensors lean would not apply: a deeper model's layer, a LoRA bias
     key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
     with pytest.raises(lean.LoRAError, match="1 tensor.*would not apply.*layers.7.*deeper or other model"):
@@ -323,3 +331,5 @@ def test_merge_writes_a_folder_transformers_loads(tmp_path, arch):
         merge_and_save(model, lora, tmp_path / "merged")
     with pytest.raises(ValueError, match="the model's own folder"):
         merge_and_save(model, lora, tmp_path / "base", overwrite=True)
+    with pytest.raises(ValueError, match="holds the model's own folder"):  # a parent of it
+        merge_and_save(model, lora, tmp_path, overwrite=True)

@@ -129,15 +129,35 @@ def test_out_of_memory_names_the_flag(setup, monkeypatch):
     _raise_on_call(monkeypatch, "forward_backward", 1, OOM)  # in step 1: nothing to save yet
     with pytest.raises(T.TrainError, match="out of GPU memory at max_tokens=64.*lower --max-tokens"):
         T.train(cfg)
+    monkeypatch.undo()  # the rerun the message asks for is not refused: nothing had trained
+    cfg.steps = 1
+    T.train(cfg)
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / C.METRICS).read_text().splitlines()]
+    assert [(m["kind"], m["step"]) for m in lines] == [("eval", 0), ("train", 1), ("eval", 1)]
 
 
-@pytest.mark.parametrize("where", ["in a step", "after a step"])
+def test_overwrite_keeps_this_runs_model_and_data(setup, tmp_path):
+    model, data, _ = setup
+    out = tmp_path / "run"
+    (out / "merged").mkdir(parents=True)
+    (out / C.METRICS).write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    cfg = T.TrainConfig(model=str(out / "merged"), data=str(data), out_dir=str(out), overwrite=True)
+    with pytest.raises(T.TrainError, match="merged holds this run's --model.*move it out of"):
+        C.earlier_run(cfg)
+    cfg.model = str(model)
+    assert sorted(p.name for p in C.earlier_run(cfg)) == ["merged", C.METRICS]
+
+
+@pytest.mark.parametrize("where", ["in step 1", "in a step", "after a step"])
 def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch, where):
     """Ctrl-C inside step 4's forward, or in the held-out evaluation after step 2 (the step complete,
     its position counted): the checkpoint holds the last completed step at its data position, and
     the resumed run's per-step losses equal the uninterrupted run's, exactly on CPU."""
     cfg_full, _ = full_run
-    if where == "in a step":
+    if where == "in step 1":  # resumed at step 0: the held-out loss before training is logged once
+        cfg, done = _cfg(setup, "resumed-0", seed=7), 0
+        _raise_on_call(monkeypatch, "forward_backward", 1, KeyboardInterrupt)
+    elif where == "in a step":
         cfg, done = _cfg(setup, "resumed", seed=7), 3
         _raise_on_call(monkeypatch, "forward_backward", 4, KeyboardInterrupt)
     else:
@@ -153,6 +173,8 @@ def test_interrupt_and_resume_equal_uninterrupted(full_run, setup, monkeypatch, 
     full, resumed = _metrics(T.Path(cfg_full.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
     assert sorted(resumed) == list(range(1, 7))
     assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]
+    lines = [json.loads(x) for x in (T.Path(cfg.out_dir) / C.METRICS).read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == ([0, 4, 6] if where == "after a step" else [0, 6])
 
 
 def test_resume_drops_the_records_of_lost_steps(full_run, setup, monkeypatch):
@@ -350,7 +372,7 @@ def test_nan_loss_names_the_step(setup, monkeypatch):
         return (loss * float("nan"), n) if calls["n"] == 2 else (loss, n)
 
     monkeypatch.setattr(T, "forward_backward", nan_at_step_2)
-    with pytest.raises(T.TrainError, match="loss is nan at step 2.*lower --lr"):
+    with pytest.raises(T.TrainError, match="loss is nan at step 2.*start over with a lower --lr.*--overwrite"):
         T.train(cfg)
     state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
     assert state["step"] == 1  # the last good checkpoint is untouched

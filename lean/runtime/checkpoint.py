@@ -38,7 +38,6 @@ class TrainError(RuntimeError):
     """A training run's error: names the cause and the fix."""
 
 
-
 def data_fingerprint(docs) -> str:
     """A short hash of the training documents' tokens and loss masks: a resumed run must train on
     the same ones (a path can move; the documents must not change)."""
@@ -52,24 +51,44 @@ def data_fingerprint(docs) -> str:
     return h.hexdigest()[:16]
 
 
-RUN_MARKS = (CHECKPOINT, f"{CHECKPOINT}.old", METRICS)         # an out_dir holding one holds a run
-RUN_FILES = RUN_MARKS + ("adapter", "tb", "merged", f"{CHECKPOINT}.bad")  # what --overwrite deletes
+RUN_FILES = (CHECKPOINT, f"{CHECKPOINT}.old", f"{CHECKPOINT}.bad", METRICS, "adapter", "tb", "merged")
+LOGS = (METRICS, "tb")  # all a run leaves when it stops before its first step
+
+
+def _trained(out) -> bool:
+    """out_dir holds a run that trained: a checkpoint, or metrics with a train record."""
+    if any((out / n).exists() for n in (CHECKPOINT, f"{CHECKPOINT}.old")):
+        return True
+    m = out / METRICS
+    return m.exists() and '"kind": "train"' in m.read_text(errors="replace")
 
 
 def earlier_run(cfg) -> list:
-    """The earlier run's files in out_dir that --overwrite would delete; TrainError when a fresh
-    run (neither resume nor overwrite) meets one: its checkpoint and metrics would mix with this
-    run's. Called before anything loads; nothing is deleted here."""
+    """The files in out_dir that prepare_out_dir will delete. A fresh run (neither resume nor
+    overwrite) meeting a run that trained raises TrainError (its checkpoint and metrics would mix
+    with this run's); overwrite=True deletes that run's files. The logs of a run that stopped
+    before its first step (an OOM, a NaN, Ctrl-C in the first evaluation) hold nothing trained and
+    go without asking. Nothing that holds this run's model or data is deleted. Called before
+    anything loads; nothing is deleted here."""
     out = Path(cfg.out_dir)
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume and --overwrite: pass one (continue the run in --out, or delete it and start over)")
-    if cfg.resume or not any((out / n).exists() for n in RUN_MARKS):
+    if cfg.resume or not out.is_dir():
         return []
-    found = [out / n for n in RUN_FILES if (out / n).exists()]
-    if not cfg.overwrite:
-        cont = "pass --resume to continue it, " if any((out / n / "state.json").is_file() for n in RUN_MARKS[:2]) else ""
-        raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in found)}): {cont}pass "
-                         "--overwrite to delete it and start over, or another --out")
+    if _trained(out):
+        found = [out / n for n in RUN_FILES if (out / n).exists()]
+        if not cfg.overwrite:
+            cont = "pass --resume to continue it, " if any((out / n / "state.json").is_file() for n in RUN_FILES[:2]) else ""
+            raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in found)}): {cont}pass "
+                             "--overwrite to delete it and start over, or another --out")
+    else:
+        found = [out / n for n in LOGS if (out / n).exists()]
+    inputs = {name: Path(os.path.expanduser(str(v))).resolve() for name, v in (("--model", cfg.model), ("--data", cfg.data))}
+    for p in found:
+        for name, x in inputs.items():
+            if x == p.resolve() or p.resolve() in x.parents:
+                raise TrainError(f"{p} holds this run's {name} ({x}) and would be deleted with the earlier run: "
+                                 f"move it out of {out}, or use another --out")
     return found
 
 
@@ -83,7 +102,6 @@ def prepare_out_dir(out_dir, delete=()) -> Path:
     for p in out.glob(f"{CHECKPOINT}.tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
     return out
-
 
 
 # ---------------------------------------------------------------- checkpoint/
@@ -247,7 +265,6 @@ def _np_state_from_json(st):
 
 def _py_state_from_json(st):
     return (st[0], tuple(st[1]), st[2])
-
 
 
 def run_state(cfg, step, epoch, index, lora_steps, fingerprint=None):

@@ -9,7 +9,8 @@ Files and record shapes: records.py (load_records, Record, DataError are re-expo
 
 Loss masks (mask[t] = 1: token t is a target, predicted from token t-1; see batch.py):
   text          every token; tokenizer.json's post-processor adds its special tokens (BOS for
-                Llama 3, nothing for SmolLM2) and EOS is appended; cut into windows of max_len
+                Llama 3, nothing for SmolLM2) and EOS is appended (unless the post-processor added
+                it); cut into windows of max_len
   chat          assistant turns only. The assistant character spans come from rendering prefixes:
                 render(messages[:i], add_generation_prompt=True) is a prefix of
                 render(messages[:i+1]) for an assistant message i, and the span lies between their
@@ -32,6 +33,7 @@ import bisect
 import numpy as np
 
 from .records import SUFFIXES, DataError, DataWarning, Record, default_dataset, load_records
+from .tokenizer import TokenizerError
 
 __all__ = ["SUFFIXES", "DataError", "DataWarning", "Record", "default_dataset", "load_records",
            "tokenize_records", "pack_batches", "split_heldout"]
@@ -54,7 +56,7 @@ def tokenize_records(records, tok, *, max_len: int, stats: dict = None) -> list:
     for rec in records:
         try:
             rec_docs = _record_docs(rec, tok, max_len, counts)
-        except DataError:
+        except (DataError, TokenizerError):  # already name their cause and fix
             raise
         except Exception as e:  # the template's raise_exception, a lone surrogate the tokenizer refuses ...
             raise DataError(f"{rec.source}: the chat template or the tokenizer failed on this record "

@@ -32,7 +32,9 @@ ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
 # seven projections: lean refuses an adapter that sets any of them rather than apply it wrongly
 UNSUPPORTED = ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform",
                "layer_replication", "lora_bias", "trainable_token_indices", "alora_invocation_tokens",
-               "target_parameters", "use_qalora", "exclude_modules")
+               "target_parameters", "use_qalora")
+# (target_modules and exclude_modules need no check: the tensors say what is adapted, and an
+# adapter with weights beyond the seven projections, lm_head say, is refused for them below)
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -149,13 +151,9 @@ class LoRA:
         unsupported = [f"{k}={pc[k]!r}" for k in UNSUPPORTED if pc.get(k) not in (None, False, {}, [], "")]
         if pc.get("bias", "none") != "none":
             unsupported.append(f"bias={pc['bias']!r}")
-        tm = pc.get("target_modules")
-        other = [m for m in (tm if isinstance(tm, list) else []) if m not in ALIASES and m not in TARGETS]
-        if other:
-            unsupported.append(f"target_modules {other}")
         if unsupported:
             raise LoRAError(f"{cfg_path}: {', '.join(unsupported)}: lean applies one rank to the q/k/v/o/gate/"
-                            "up/down projections of every layer, nothing else; merge this adapter with PEFT "
+                            "up/down projections of the layers, nothing else; merge this adapter with PEFT "
                             "(merge_and_unload) and load the merged model, or train one without these")
         try:
             tensors = load_file(str(w_path))

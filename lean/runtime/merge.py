@@ -4,8 +4,8 @@
 
 The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
 tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
-copied from the model's folder, config.json with its dtype set to the merge's (transformers loads
-the folder in that dtype by default). The folder is written as out_dir.tmp-<pid> and renamed into
+copied from the model's folder, config.json with its dtype set to the merge's (what transformers
+5 loads the folder in by default). The folder is written as out_dir.tmp-<pid> and renamed into
 place, so a crash never leaves a half-written merge under the final name; an existing out_dir is
 replaced only with overwrite=True, and never when it is the model's own folder.
 Caution: holds every merged tensor on the host until the write (fine for the models lean trains
@@ -53,8 +53,8 @@ def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None, over
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} has no config.json to copy: pass src_dir=, the model's HF folder")
     out = Path(os.path.expanduser(str(out_dir)))
-    if out.exists() and out.resolve() == src.resolve():
-        raise ValueError(f"merge into {out}: that is the model's own folder; write the merge elsewhere")
+    if out.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
+        raise ValueError(f"merge into {out}: it holds the model's own folder {src}; write the merge elsewhere")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"merge into {out}: the folder exists and is not empty; pick a new folder "
                          "(or pass overwrite=True to replace it)")

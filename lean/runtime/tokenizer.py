@@ -118,12 +118,11 @@ class Tokenizer:
         self.special = {k: v for k, v in special.items() if v is not None}
         self.chat_template = chat_template
         self._template = _compile_template(chat_template, name) if chat_template else None
-        unknown = {k: v for k, v in self.special.items() if k in ("bos_token", "eos_token", "pad_token")
-                   and backend.token_to_id(v) is None}
-        if unknown:  # an id of None would silently drop the EOS that ends every document
-            raise TokenizerError(f"{name}: {', '.join(f'{k}={v!r}' for k, v in unknown.items())} is not in "
-                                 "the tokenizer's vocabulary: fix tokenizer_config.json (or "
-                                 "special_tokens_map.json) to name a token tokenizer.json has")
+        eos = self.special.get("eos_token")
+        if eos is not None and backend.token_to_id(eos) is None:  # None would drop every document's EOS
+            raise TokenizerError(f"{name}: eos_token={eos!r} is not in the tokenizer's vocabulary: fix "
+                                 "tokenizer_config.json (or special_tokens_map.json) to name a token "
+                                 "tokenizer.json has")
         self.bos_id = self._id(self.special.get("bos_token"))
         self.eos_id = self._id(self.special.get("eos_token"))
         self.unk_id = self._id(self.special.get("unk_token"))

@@ -219,9 +219,10 @@ def train(cfg: TrainConfig) -> dict:
         f"{', '.join(lora.targets)} ({lora.params.numel():,} parameters)", flush=True)
     with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
         try:
-            before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if step == 0 else None
+            fresh = resume is None  # a resumed run logged its "before" records already
+            before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if fresh else None
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
-                           fingerprint)
+                           fingerprint, resumed=not fresh)
             if result["eval_loss_before"] is not None:
                 say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
             result["sample_before"] = before
@@ -275,16 +276,17 @@ def _check_finite(out, step, lr, **values):
     of this step is saved: the last checkpoint stays the last good one."""
     for name, x in values.items():
         if not math.isfinite(x):
-            raise TrainError(f"{name.replace('_', ' ')} is {x} at step {step} (lr {lr:.3g}): lower --lr (or "
-                             "raise --warmup) and check the data for broken records; the last checkpoint "
-                             f"in {out / CHECKPOINT} is untouched")
+            raise TrainError(f"{name.replace('_', ' ')} is {x} at step {step} (lr {lr:.3g}): start over with a "
+                             "lower --lr (or a longer --warmup) and --overwrite, and check the data for broken "
+                             f"records; the last checkpoint in {out / CHECKPOINT} is untouched")
 
 
-def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None):
+def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None,
+          resumed=False):
     out = Path(cfg.out_dir)
     graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
-    if eval_batches and step == 0:
+    if eval_batches and step == 0 and not resumed:  # resumed at step 0: logged before the interrupt
         eval_loss, n = evaluate(model, lora, eval_batches)
         eval_before = eval_loss
         metrics.log({"kind": "eval", "step": 0, "loss": eval_loss, "targets": n})
@@ -323,10 +325,11 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                     sums.append(loss_sum)
                 in_update = True
                 opt.step(lr=lr)
-            step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
             loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
             grad_norm = opt.grad_norm.item()  # sync: log point (already complete)
-            _check_finite(out, step, lr, loss=loss, grad_norm=grad_norm)
+            _check_finite(out, step + 1, lr, loss=loss, grad_norm=grad_norm)
+            # checked: the step counts as done (an interrupt from here on saves it)
+            step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
             dt = time.time() - t0
             n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
                         else sum(b.n_tokens for b in batches))

@@ -1,13 +1,16 @@
 """lean/kernels/gemm.py: matmul against torch on odd sizes and strided (transposed) views; its split-K
 path (lean/kernels/gemm_splitk.py) called directly and as matmul chooses it."""
+import dataclasses
+
 import pytest
 import torch
 
+import lean.kernels.arch as A
 import lean.kernels.gemm as G
 import lean.kernels.gemm_splitk as S
 from lean.kernels.gemm import matmul
 from tests.reference.lora_linear import matmul_ref
-from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
+from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, hopper_path, poison, randn
 
 DTYPES = [torch.float32, LOWP]
 
@@ -103,9 +106,11 @@ def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
     a wave of tiles and TMA_MIN_MACS) for x W^T (tb) and dy W: on the CPU through the interpreter with the
     choice forced, on the GPU as chosen. Fails if the TMA kernel did not run."""
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # these shapes are below the size that picks TMA (tma_ok reads this)
+    hopper_path(monkeypatch)
     if DEVICE == "cpu":
         monkeypatch.setattr(G, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
-        monkeypatch.setattr(G, "NUM_SMS", 1)
+        one_sm = dataclasses.replace(A.INTERPRETER, sms=1)  # a wave is one tile
+        monkeypatch.setattr(G, "arch", lambda device=None: one_sm)
     calls = []
     run = G._matmul_tma
     monkeypatch.setattr(G, "_matmul_tma", lambda *args: calls.append(1) or run(*args))
@@ -123,6 +128,11 @@ _SPLITK_TEST_TILES = (32, 32, 32, 4, 1)  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 SPLITK_DTYPES = DTYPES if DEVICE == "cpu" else [LOWP]
 
 
+# TMA loads: forced under the interpreter, on the GPU where the arch takes them (not LEAN_PORTABLE=1)
+SPLITK_LOADS = ["pointers", "tma"] if DEVICE == "cpu" or A.arch().tma else ["pointers"]
+
+
+@pytest.mark.parametrize("loads", SPLITK_LOADS)
 @pytest.mark.parametrize("dtype", SPLITK_DTYPES)
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("split,with_bias,accumulate,alpha", [
@@ -131,11 +141,12 @@ SPLITK_DTYPES = DTYPES if DEVICE == "cpu" else [LOWP]
     (7, True, False, 0.5),    # uneven slices of 1 and 2 blocks
     (12, False, True, 1.0),   # more slices than K blocks: empty slices write zero partials
 ])
-def test_matmul_splitk_kernel(dtype, tb, split, with_bias, accumulate, alpha):
-    """The split-K kernels against the reference: M, N, K not block multiples (K = 301: 10 blocks
+def test_matmul_splitk_kernel(loads, dtype, tb, split, with_bias, accumulate, alpha):
+    """The split-K kernels against the reference, their slices loaded by TMA descriptors or by
+    pointers (RTX / A100 cards, LEAN_PORTABLE=1): M, N, K not block multiples (K = 301: 10 blocks
     of 32, the last partial), b row-major (dlogits @ w) or K-major (x W^T), bias, accumulate, alpha."""
     def launch(c, a, b, bias, acc, al):
-        S._matmul_splitk(c, a, b, bias, acc, al, split, config=_SPLITK_TEST_TILES)
+        S._matmul_splitk(c, a, b, bias, acc, al, split, config=_SPLITK_TEST_TILES, tma=loads == "tma")
     _run_and_compare(37, 45, 301, dtype, False, tb, with_bias=with_bias, accumulate=accumulate, alpha=alpha,
                      g=fresh_generator(), launch=launch, align=8)
 
@@ -159,47 +170,59 @@ def _spy(monkeypatch, calls):
     through the module, so the patch takes effect)."""
     run = S._matmul_splitk
 
-    def counted(c, a, b, bias, accumulate, alpha, split, config=None):
-        calls.append(split)
-        return run(c, a, b, bias, accumulate, alpha, split, config)
+    def counted(c, a, b, bias, accumulate, alpha, split, config=None, tma=None):
+        calls.append((split, S._tma_loads(a, b, *c.shape, a.shape[1]) if tma is None else tma))
+        return run(c, a, b, bias, accumulate, alpha, split, config, tma)
     monkeypatch.setattr(S, "_matmul_splitk", counted)
 
 
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
 @pytest.mark.parametrize("tb", [False, True])
-def test_matmul_takes_splitk(tb, monkeypatch):
-    """matmul picks split-K for an under-filled output over a long K: on the CPU with the Hopper /
-    size conditions forced (interpreter tiles 32 x 32 x 32: 6 tiles, 47 K steps, 2-step slices
-    allowed), through the public launcher with bias, accumulate and alpha. Fails if it did not run."""
+def test_matmul_takes_splitk(loads, tb, monkeypatch):
+    """matmul picks split-K for an under-filled output over a long K, with TMA loads where the
+    arch takes them and pointer loads elsewhere: on the CPU with the size conditions (and, for
+    "tma", the Hopper ones) forced (interpreter tiles 32 x 32 x 32: 6 tiles, 47 K steps, 2-step
+    slices allowed), through the public launcher with bias, accumulate and alpha. Fails if split-K
+    did not run, or ran with the other loads."""
     # Patched where _use_splitk / splitk_count look them up at call time: gemm_splitk's own names.
     monkeypatch.setattr(S, "TMA_MIN_MACS", 0)
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
-    monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    if loads == "tma":
+        monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
     monkeypatch.setattr(S, "_SPLITK_MIN_STEPS", 2)
     calls = []
     _spy(monkeypatch, calls)
     _run_and_compare(67, 45, 1501, LOWP, False, tb, with_bias=True, accumulate=True, alpha=0.75,
                      g=fresh_generator(), align=8)
-    assert calls and calls[0] > 1, f"split-K not taken: {calls}"
+    assert calls and calls[0][0] > 1, f"split-K not taken: {calls}"
+    assert calls[0][1] == (loads == "tma"), f"split-K ran with the wrong loads: {calls}"
 
 
-def test_splitk_count(monkeypatch):
-    """The slice count on the H100 (model-free checks of splitk_count's choices): the lm_head
-    gradient chunks split and fill at least 85% of the waves they occupy; full-wave outputs, short
-    K and small problems do not split; every slice keeps _SPLITK_MIN_STEPS K steps."""
+@pytest.mark.parametrize("cc,sms", [((9, 0), 132), ((8, 6), 84), ((8, 9), 24), ((12, 0), 188)])
+def test_splitk_count(cc, sms, monkeypatch):
+    """The slice count (model-free checks of splitk_count's choices) on an H100 and on RTX cards of
+    few and many SMs: the lm_head gradient chunks split and fill at least 85% of the waves they
+    occupy; full-wave outputs, short K and small problems do not split; every slice keeps
+    _SPLITK_MIN_STEPS K steps."""
     monkeypatch.setattr(S, "interpreting", lambda: False)
-    BM, BN, BK = S._SPLITK[:3]
+    at = A.target(*cc, sms=sms)
+    BM, BN, BK = S._splitk_config(at, at.tma)[:3]
     for M, N, K in [(768, 1024, 151936), (640, 2048, 128256), (512, 4096, 151936), (512, 2048, 128256),
                     (256, 1024, 151936), (1792, 576, 49152)]:
-        s = S.splitk_count(M, N, K)
+        s = S.splitk_count(M, N, K, at)
         programs = -(-M // BM) * -(-N // BN) * s
-        waves = -(-programs // S.NUM_SMS)
-        assert s > 1 and programs >= 0.85 * waves * S.NUM_SMS, (M, N, K, s)
+        waves = -(-programs // sms)
+        if -(-M // BM) * -(-N // BN) >= sms:  # a wave already (a small GPU): no split
+            assert s == 1, (M, N, K, s)
+            continue
+        # at least 85% of the waves filled, unless the slice cap binds first (a big GPU, a small output)
+        assert s > 1 and (programs >= 0.85 * waves * sms or s == S._SPLITK_MAX), (M, N, K, s)
         assert -(-K // BK) // s >= S._SPLITK_MIN_STEPS, (M, N, K, s)
-        assert S.splitk_workspace_bytes(M, N, K, 2) == s * M * N * 4
-        assert S.splitk_workspace_bytes(M, N, K, 4) == 0  # fp32 inputs never split
+        assert S.splitk_workspace_bytes(M, N, K, 2, at) == s * M * N * 4
+        assert S.splitk_workspace_bytes(M, N, K, 4, at) == 0  # fp32 inputs never split
     for M, N, K in [(8192, 1024, 151936), (768, 1024, 1024), (64, 64, 151936)]:
-        assert S.splitk_count(M, N, K) == 1, (M, N, K)
-        assert S.splitk_workspace_bytes(M, N, K, 2) == 0
+        assert S.splitk_count(M, N, K, at) == 1, (M, N, K)
+        assert S.splitk_workspace_bytes(M, N, K, 2, at) == 0
 
 
 @pytest.mark.gpu
@@ -213,7 +236,8 @@ def test_matmul_splitk_lm_head_shapes(M, N, K, monkeypatch):
     g = fresh_generator()
     c, (a, b, _, _) = _run_and_compare(M, N, K, torch.bfloat16, False, False, with_bias=False,
                                        accumulate=False, alpha=1.0, g=g)
-    assert calls and calls[0] > 1, f"split-K not taken: {calls}"
+    assert calls and calls[0][0] > 1, f"split-K not taken: {calls}"
+    assert calls[0][1] == A.arch().tma, f"split-K loads: {calls} on {A.arch()}"
     again = torch.empty_like(c)
     matmul(again, a, b)
     assert torch.equal(c, again)

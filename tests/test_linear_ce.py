@@ -137,9 +137,9 @@ def _spy_splitk(monkeypatch):
     """A list that records the slice count of every split-K GEMM (gemm_splitk.py) from now on."""
     calls, run = [], S._matmul_splitk
 
-    def counted(c, a, b, bias, accumulate, alpha, split, config=None):
+    def counted(c, a, b, bias, accumulate, alpha, split, config=None, tma=None):
         calls.append(split)
-        return run(c, a, b, bias, accumulate, alpha, split, config)
+        return run(c, a, b, bias, accumulate, alpha, split, config, tma)
     monkeypatch.setattr(S, "_matmul_splitk", counted)
     return calls
 

@@ -7,7 +7,7 @@ import lean.kernels.lora_linear as L
 from lean.kernels.lora_linear import (dyb_width, linear_bwd, linear_fwd, lora_dropout_mask, lora_linear_bwd, lora_linear_bwd_da,
                                       lora_linear_fwd)
 from tests.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
-from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
+from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, hopper_path, poison, randn
 
 DTYPES = [torch.float32, LOWP]
 
@@ -212,6 +212,7 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     enough problems) against torch, dx accumulation included: on the CPU through the interpreter with the choice
     forced, on the GPU as chosen. Fails if either TMA kernel did not run."""
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
+    hopper_path(monkeypatch)
     if DEVICE == "cpu":
         monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
     calls = []

@@ -6,6 +6,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lean
+import lean.kernels.arch as A
+from lean.kernels import attention, gemm, gemm_splitk, lora_linear_tma
+from lean.kernels.gemm import tma_at_every_size
+from lean.models.config import config_from_hf
+from lean.models.weights import empty_model
 from tests.hf_models import build_hf, hf_loss_and_grads, peft_wrap, tiny_config
 from tests.util import DEVICE, fresh_generator
 
@@ -140,3 +145,31 @@ def test_step_dispatches_no_torch_compute_op():
     compute = sorted(set(rec.ops) - CONTAINER_OPS)
     assert rec.ops, "the recorder saw nothing: the test would be vacuous"
     assert not compute, f"torch did compute inside the step: {compute}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("portable", [False, True], ids=["arch-path", "portable"])
+def test_step_takes_the_arch_tables_path(portable, monkeypatch):
+    """A captured-style step (tma_at_every_size) on the Qwen3-0.6B config builds TMA descriptors
+    exactly when the arch table says the GPU takes the Hopper path: none under portable() (the code
+    an RTX card runs), some on an H100 otherwise."""
+    made = []
+    for mod in (gemm, gemm_splitk, lora_linear_tma, attention):
+        real = mod.tma_desc
+        monkeypatch.setattr(mod, "tma_desc", lambda t, block, real=real: made.append(1) or real(t, block))
+    cfg = dict(QWEN3_06B, num_hidden_layers=2)
+    model = empty_model(config_from_hf(cfg), torch.bfloat16, DEVICE)
+    g = fresh_generator()
+    for _, t in model.hf_tensors():
+        t.normal_(1.0 if t.dim() == 1 else 0.0, 0.1 if t.dim() == 1 else 0.02, generator=g)
+    lora = lean.LoRA.init(model, r=16, alpha=32, seed=0)
+    batch = lean.pack(_docs(np.random.default_rng(0), cfg["vocab_size"], 4096), max_tokens=4096, device=DEVICE)
+    with A.portable(portable), tma_at_every_size():
+        takes_tma = A.arch().tma
+        loss, n = lean.forward_backward(model, lora, batch)
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss).all()
+    if portable or not A.target(*torch.cuda.get_device_capability()).tma:
+        assert not takes_tma and not made, f"{len(made)} TMA descriptors built on the portable path"
+    else:
+        assert takes_tma and made, "the Hopper path built no TMA descriptor"

@@ -11,6 +11,22 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 LOWP = torch.bfloat16 if ON_GPU else torch.float16
 
 
+def hopper_path(monkeypatch):
+    """For a test of the Hopper path's own kernels on a GPU: take the path even under LEAN_PORTABLE=1
+    (the portable run of the suite still tests them), or skip on a GPU without TMA. On the CPU
+    nothing: such tests force the choice themselves."""
+    if not ON_GPU:
+        return
+    import lean.kernels.arch as A
+    real = A.target(*torch.cuda.get_device_capability())
+    if not real.tma:
+        import pytest
+        pytest.skip(f"{real.name} takes the portable path: no TMA kernels to test")
+    monkeypatch.setitem(A._FORCED, "portable", False)
+    monkeypatch.setitem(A._FORCED, "emulate", None)
+    monkeypatch.delenv("LEAN_ARCH", raising=False)
+
+
 def fresh_generator(device=DEVICE):
     """A generator seeded from the OS: every run draws new inputs. The seed is printed so a
     failure (pytest shows captured output) can be replayed with LEAN_TEST_SEED."""

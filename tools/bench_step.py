@@ -63,6 +63,9 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lean.models.presets import PRESETS  # noqa: E402
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 TOKENS = 8192  # per optimizer step
@@ -71,26 +74,8 @@ WARMUP = 3
 FRAMEWORKS = {"lean": "lean", "hf": "HF+PEFT", "liger": "HF+PEFT+Liger", "unsloth": "Unsloth"}
 PEER_MODULE = {"hf": "peft", "liger": "liger_kernel", "unsloth": "unsloth"}  # importable = installed
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # HF config.json values (read by lean's config_from_hf and by transformers' AutoConfig).
-CONFIGS = {
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, max_position_embeddings=40960,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
-                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, max_position_embeddings=131072,
-                         rope_parameters=_LLAMA3_ROPE),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False, max_position_embeddings=40960,
-                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-}
+CONFIGS = dict(PRESETS)
 DEFAULT_MODELS = ("qwen3-0.6b", "llama-3.2-1b")
 LAYOUTS = ("packed", "padded")
 # --smoke: the same architecture and tying, tiny sizes (lean's interpreter runs them in seconds).

@@ -194,7 +194,7 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
     if max_grad_norm is not None and not max_grad_norm > 0.0:
         raise ValueError(f"max_grad_norm: expected None or a positive number, got {max_grad_norm}")
     ptrs = [t.data_ptr() for t in (params, m, v, grads, params_lowp) if t is not None]
-    if len(set(ptrs)) != len(ptrs):
+    if len(set(ptrs)) != len(ptrs) and device.type != "meta":  # meta (compile-only runs) has no addresses
         raise ValueError("params, m, v, grads and params_lowp must be distinct buffers")
 
     blocks = _GPU_BLOCKS

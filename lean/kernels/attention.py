@@ -396,7 +396,7 @@ def _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale):
           last_contiguous=True)
     N, H, D = q.shape
     dev = q.device
-    if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
+    if dev.type not in ("cuda", "meta") and not (dev.type == "cpu" and interpreting()):  # meta: compile-only runs
         raise ValueError(f"q: expected a cuda device (cpu only under TRITON_INTERPRET=1), got {dev}")
     check(k, "k", shape=(N, None, D), dtype=q.dtype, device=dev, last_contiguous=True)
     KVH = k.shape[1]

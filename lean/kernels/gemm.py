@@ -27,8 +27,9 @@ tf32), slow on a GPU, meant for tests and small fp32 reductions.
 Tested: tests/test_gemm.py: fp32 and fp16 (CPU interpreter), bf16 (H100), odd sizes, transposed
 views of a and b, bias, accumulate, alpha, rejection of bad arguments; the TMA kernel in fp16 under
 the interpreter (its choice forced) and bf16 on the GPU.
-Three main loops. On a Hopper GPU, for 16-bit row-major a, TMA-describable a and b (16-byte aligned
-base and row stride) and TMA_MIN_MACS: at least a wave of 128 x 256 tiles, _matmul_tma_kernel, tiles
+Three main loops. Where the arch table takes the Hopper path (arch.py: sm_90/sm_100), for 16-bit
+row-major a, TMA-describable a and b (16-byte aligned base and row stride) and TMA_MIN_MACS: at least
+a wave of 128 x 256 tiles, _matmul_tma_kernel, tiles
 loaded by TMA through host tensor descriptors and a persistent grid (one program per SM walking the
 tiles); fewer tiles over a K long enough to slice, split-K (gemm_splitk.py: fp32 partials of K
 slices, summed in fixed order; the fused linear-CE's dh chunks). Otherwise (fp32, transposed a,
@@ -51,6 +52,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lean.kernels._check import check
+from lean.kernels.arch import arch
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -143,18 +145,28 @@ def _matmul_tma_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit inputs, H100.
-# Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine Qwen3-0.6B / Llama-3.2-1B
-# projection shapes, two runs on one H100 (Triton 3.6, torch 2.11 / cuBLAS):
+# Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 16-bit inputs, per
+# arch tier (lean/kernels/arch.py); every entry fits its arch's shared memory by the compiler's own
+# measure (tests/test_arch.py compiles each one for sm_80/86/89/90/100/120/121).
+# sm90 (H100, tuned). Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine
+# Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs on one H100 (Triton 3.6, torch 2.11 / cuBLAS):
 #   y = x W^T (b = w.t(), K-contiguous): 256x128x64 w8 s3 460-545 TF/s (0.66-0.74x cuBLAS) beats
 #     128x256x64 s3/s4 400-530 and 128x128 360-490; ptxas serialises the 128x256 wgmmas in this
 #     layout (warning C7515). Loading W's tile (BN, BK) and tl.trans'ing it measured the same.
 #     Exception: N = 512 (Llama k/v), where 256x128 tiles give only 128 programs: 128x256 s4 432.
 #   dx = dy W (b row-major): 128x256x64 w8 s4 430-714 TF/s (0.83-0.95x cuBLAS), 5-15% over s3;
 #     256x128 and 128x128 trail by 10-30%.
-_KMAJOR_B = (256, 128, 64, 8, 3)  # b K-contiguous (x W^T), when its grid fills the 132 SMs
-_WIDE = (128, 256, 64, 8, 4)      # b row-major, and x W^T with few 256x128 tiles
-_SMALL = (64, 128, 64, 4, 4)      # outputs under half a wave of 128x256 tiles: untuned
+# sm80 (A100, 166,912 B): the sm90 tiles, which fit (147,456 B at most); untuned.
+# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 `wide` tile at 4 stages needs
+#   147,456 B there (mma.sync keeps num_stages - 1 buffers: 49,152 B per stage at 128x256x64), so
+#   it runs 3 stages: 98,304 B; kmajor 256x128x64 s3 is 98,304 B as on sm90; small 73,728 B.
+TILES = {
+    "sm90": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
+    "sm80": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
+    "sm86": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 3), "small": (64, 128, 64, 4, 4)},
+}
+# kmajor: b K-contiguous (x W^T), when its grid fills the SMs; wide: b row-major, and x W^T with few
+# 256x128 tiles; small: outputs under half a wave of 128x256 tiles (untuned everywhere).
 _FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
 # TRITON_INTERPRET=1 (CPU): small tiles for test shapes, so they span several tiles per dim ...
 _INTERPRET = (32, 32, 32, 4, 1)
@@ -167,7 +179,6 @@ _INTERPRET = (32, 32, 32, 4, 1)
 # at 512x2048x128 (its backward 2.9 s -> 0.14 s); M = 1 decode 576 -> 1536: 1.0 s at 32^3 -> 34 ms
 # at 16x2048x128.
 GROUP_M = 8
-NUM_SMS = 132                     # H100 SXM
 # Hopper TMA path (_matmul_tma_kernel, 16-bit, row-major a, TMA-describable a/b, a full wave of
 # 128x256 tiles): tools/step_levers.py, H100, bf16, M = 8192, the nine projection shapes, CUDA-graph
 # medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
@@ -206,31 +217,19 @@ def interpret_config(M, N, K):
     return bm, bn, bk, 4, 1
 
 
-def gemm_config(M, N, dtype, b_kmajor=False, K=0):
-    """Pick (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an (M, N) output; b_kmajor:
-    b's unit stride runs along K (b is a transposed row-major weight, as in x W^T)."""
+def gemm_config(M, N, dtype, at, b_kmajor=False, K=0):
+    """Pick (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an (M, N) output on Arch `at`;
+    b_kmajor: b's unit stride runs along K (b is a transposed row-major weight, as in x W^T)."""
     if interpreting():
         return interpret_config(M, N, K)
     if dtype == torch.float32:
         return _FP32
-    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= NUM_SMS:
-        return _KMAJOR_B
-    if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= NUM_SMS // 2:
-        return _WIDE
-    return _SMALL
-
-
-_HOPPER = {}
-
-
-def _hopper(device):
-    """sm_90 or newer (TMA descriptors, wgmma); cached per device."""
-    if device.type != "cuda":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HOPPER:
-        _HOPPER[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _HOPPER[idx]
+    tiles = TILES[at.tier]
+    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= at.sms:
+        return tiles["kmajor"]
+    if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= at.sms // 2:
+        return tiles["wide"]
+    return tiles["small"]
 
 
 @contextlib.contextmanager
@@ -251,9 +250,9 @@ def in_tma_at_every_size():
 
 def tma_ok(*tensors, macs):
     """True when a TMA main loop should run: at least TMA_MIN_MACS multiply-adds (0 inside
-    tma_at_every_size), a Hopper GPU (never the interpreter) and 2-D 16-bit tensors with a unit
+    tma_at_every_size), an arch that takes the TMA path (arch.py; never the interpreter) and 2-D 16-bit tensors with a unit
     last stride and 16-byte aligned bases and row strides."""
-    return macs >= _TMA_MIN["macs"] and not interpreting() and _hopper(tensors[0].device) and all(
+    return macs >= _TMA_MIN["macs"] and not interpreting() and arch(tensors[0].device).tma and all(
         t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
         and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
@@ -269,7 +268,7 @@ def _matmul_tma(c, a, b, bias, accumulate, alpha):
     BM, BN, BK, warps, stages = _TMA
     kmajor = b.stride(0) == 1 and N > 1
     b_desc = tma_desc(b.t(), (BN, BK)) if kmajor else tma_desc(b, (BK, BN))
-    n_programs = min(NUM_SMS, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    n_programs = min(arch(a.device).sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
     _matmul_tma_kernel[(n_programs,)](
         c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
         M, N, K, c.stride(0), float(alpha), n_programs,
@@ -279,7 +278,7 @@ def _matmul_tma(c, a, b, bias, accumulate, alpha):
 
 def _use_tma(a, b, M, N):
     """The TMA path: row-major a, b TMA-describable either way, and at least a wave of tiles."""
-    if triton.cdiv(M, _TMA[0]) * triton.cdiv(N, _TMA[1]) < NUM_SMS or a.stride(1) != 1:
+    if triton.cdiv(M, _TMA[0]) * triton.cdiv(N, _TMA[1]) < arch(a.device).sms or a.stride(1) != 1:
         return False
     return tma_ok(a, b.t() if b.stride(0) == 1 and N > 1 else b, macs=M * N * a.shape[1])
 
@@ -315,7 +314,7 @@ def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
     split = gemm_splitk._use_splitk(a, b, M, N, K) if K > 0 else 1
     if split > 1:
         return gemm_splitk._matmul_splitk(c, a, b, bias, accumulate, alpha, split)
-    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, b_kmajor=b.stride(0) == 1 and N > 1, K=K)
+    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, arch(a.device), b_kmajor=b.stride(0) == 1 and N > 1, K=K)
     if max(a.stride(1), b.stride(0)) * BK >= 2**31:
         raise ValueError(f"matmul: K-stride {max(a.stride(1), b.stride(0))} too large for int32 "
                          "pointer steps (call .contiguous())")

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lean.kernels.gemm import NUM_SMS, interpreting
+from lean.kernels.arch import arch
+from lean.kernels.gemm import interpreting
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False, m
         BT = max(16, min(triton.next_power_of_2(N), 2**18 // BP))
     p_blocks = triton.cdiv(P, BP)
     # enough token chunks to give every SM two programs; the chunking depends on shapes only
-    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * NUM_SMS, p_blocks)), BT)
+    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * arch(u.device).sms, p_blocks)), BT)
     S = triton.cdiv(N, chunk)
     parts = [torch.empty((S, P * R), device=u.device, dtype=torch.float32) for _ in pairs]  # (S, P*R) each
     vs = [w for _, w in pairs]

@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
+from lean.kernels.arch import arch
 from lean.kernels.gemm import FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
@@ -215,7 +216,9 @@ def _lora_linear_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch configuration, 16-bit inputs on an H100. Evidence: tools/gemm_tune.py --sweep, bf16,
+# Launch configuration, 16-bit inputs, per arch tier (lean/kernels/arch.py); every entry fits its
+# arch's shared memory by the compiler's own measure (tests/test_arch.py, sm_80 ... sm_121).
+# sm90 (H100, tuned). Evidence: tools/gemm_tune.py --sweep, bf16,
 # N = 8192, R = 16, the nine Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs.
 #   forward (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 128x256x64 w8 s4 fastest or tied
 #     (within 2%) on 8 of 9 shapes; 256x128 +5-10%, 128x128 +20-30% time. The LoRA terms cost
@@ -224,26 +227,31 @@ def _lora_linear_bwd_kernel(
 #     1.27x faster than 128x128 s4 on the GPU-bound shapes (Llama gate/up 594 vs 755 us, down 646
 #     vs 822 us); with dropout it spills 9 KB (ptxas), so p > 0 keeps 128x128 s4 (measured only
 #     there). Smaller shapes measured launch-bound (5 launches, ~30 us of Python each).
-_FWD = (128, 256, 64, 8, 4)
-_BWD = (128, 256, 64, 8, 3)
-_BWD_DROPOUT = (128, 128, 64, 8, 4)
+# sm80 (A100, 166,912 B): the sm90 tiles (forward 153,600 B, backward 102,400, dropout 104,448);
+#   untuned.
+# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 153,600 / 102,400 /
+#   104,448 B there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles); BLOCK_K 32
+#   keeps the 128 x 256 output tile and 4 stages: 76,800 B forward and backward, 53,248 with dropout.
+_FWD = {"sm90": (128, 256, 64, 8, 4), "sm80": (128, 256, 64, 8, 4), "sm86": (128, 256, 32, 8, 4)}
+_BWD = {"sm90": (128, 256, 64, 8, 3), "sm80": (128, 256, 64, 8, 3), "sm86": (128, 256, 32, 8, 4)}
+_BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
 GROUP_M = 8
 
 
-def _fwd_config(N, O, dtype, K=0):
+def _fwd_config(N, O, dtype, at, K=0):
     if interpreting():
         return interpret_config(N, O, K)
-    return _FP32 if dtype == torch.float32 else _FWD
+    return _FP32 if dtype == torch.float32 else _FWD[at.tier]
 
 
-def _bwd_config(dtype, dropout=0.0, N=0, K=0, O=0):
+def _bwd_config(dtype, at, dropout=0.0, N=0, K=0, O=0):
     if interpreting():
         return interpret_config(N, K, O)
     if dtype == torch.float32:
         return _FP32
-    return _BWD_DROPOUT if dropout > 0.0 else _BWD
+    return (_BWD_DROPOUT if dropout > 0.0 else _BWD)[at.tier]
 
 
 def _precision(dtype):
@@ -299,14 +307,14 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
     if dropout > 0.0 and not xa_ready:
         BM, BK, warps, stages = _XA
         if interpreting():  # the main kernel's row block and K step
-            BM, _, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
+            BM, _, BK, warps, stages = _fwd_config(N, O, x.dtype, None, K)
         _lora_xa_kernel[(triton.cdiv(N, BM),)](
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
     if fwd_prepass(x, w, a, dropout):
         _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
         return
-    BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, K)
+    BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, arch(x.device), K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
     _lora_linear_fwd_kernel[grid](
         y, xa, x, w, a, b, bias if bias is not None else y,
@@ -347,7 +355,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
         a, b = a_pad, b_pad
 
     # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
-    BM, BN, BO, warps, stages = _bwd_config(dt, dropout, N, K, O)
+    BM, BN, BO, warps, stages = _bwd_config(dt, arch(dev), dropout, N, K, O)
     if dyb is None:
         dyb = torch.empty((N, RP), device=dev, dtype=dt)                  # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1

@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import FLOATS, GROUP_M, NUM_SMS, grouped_tile, interpret_config, interpreting, tma_desc
+from lean.kernels.arch import arch
+from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile, interpret_config, interpreting, tma_desc
 
 
 @triton.jit
@@ -175,10 +176,10 @@ _LOWRANK = (64, 128, 4, 4)
 _LOWRANK_FP32 = (64, 32, 4, 3)          # 4-byte tiles: within shared memory up to R = 128; untuned
 
 
-def _n_programs(tiles):
+def _n_programs(tiles, device):
     """Persistent grid: one program per SM; under the interpreter 3, so each walks several tiles
     (the GPU's path) and the CPU tests stay fast."""
-    return min(tiles, 3 if interpreting() else NUM_SMS)
+    return min(tiles, 3 if interpreting() else arch(device).sms)
 
 
 def _lowrank(out, u, v, more=()):
@@ -191,7 +192,8 @@ def _lowrank(out, u, v, more=()):
         BM, _, BK, warps, stages = interpret_config(N, R, K)
     else:
         BM, BK, warps, stages = _LOWRANK_FP32 if u.dtype == torch.float32 else _LOWRANK
-        while BM > 16 and triton.cdiv(N, BM) < NUM_SMS - NUM_SMS // 8:
+        sms = arch(u.device).sms
+        while BM > 16 and triton.cdiv(N, BM) < sms - sms // 8:
             BM //= 2
     _lora_lowrank_kernel[(triton.cdiv(N, BM),)](
         *outs, u, *vs, N, K, R, u.stride(0), v.stride(0), v.stride(1), NV=1 + len(more),
@@ -257,7 +259,7 @@ def _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, *, config=None, xa_ready=Fa
     if not xa_ready:
         _lowrank(xa, x, a.t())                                        # xa (N, R)
     BM, BN, BK, warps, stages = _pre_config(N, O, K, x.dtype, config)
-    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN))
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
     _lora_linear_fwd_tma_pre_kernel[(n_programs,)](
         y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), xa, b, bias if bias is not None else y,
         N, K, O, R, y.stride(0), float(scale), n_programs,
@@ -271,7 +273,7 @@ def _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate, *, config=None):
     (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
     _lowrank(dyb, dy, b)                                              # dyb (N, RP)
     BM, BN, BO, warps, stages = _pre_config(N, K, O, dy.dtype, config)
-    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(K, BN))
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(K, BN), dy.device)
     _lora_linear_bwd_tma_pre_kernel[(n_programs,)](
         tma_desc(dx, (BM, BN)), tma_desc(dy, (BM, BO)), tma_desc(w, (BO, BN)), dyb, a,
         N, K, O, RP, float(scale), n_programs,

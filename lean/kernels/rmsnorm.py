@@ -39,7 +39,6 @@ Caution:
   - rmsnorm_bwd with dw allocates its (P, C) fp32 scratch (P <= 4 * SM count) on each call; in
     LoRA training w is frozen and dw is None, so nothing is allocated.
 """
-import functools
 import os
 
 import torch
@@ -47,6 +46,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
+from lean.kernels.arch import arch
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_C = 65536
@@ -153,11 +153,6 @@ def _config(C, N=0):
     return BLOCK_N, BLOCK_C, num_warps
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _check_c(C):
     if not 1 <= C <= _MAX_C:
         raise ValueError(f"rmsnorm: C = {C} outside the supported range [1, {_MAX_C}] (a row lives in registers)")
@@ -224,7 +219,7 @@ def rmsnorm_bwd(dx, dw, dy, x, w, rstd, *, dresidual=None, y=None):
         # A few programs per SM loop over the rows, so the scratch stays small (<= 4 * SMs rows);
         # the interpreter takes 3 programs, enough to test the partials and the loop.
         interp = os.environ.get("TRITON_INTERPRET") == "1"
-        P = min(blocks, 3 if interp else 4 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
+        P = min(blocks, 3 if interp else 4 * arch(dev).sms)
         part = torch.empty((P, C), dtype=torch.float32, device=dev)          # (P, C)
     has_dres = dresidual is not None
     _rmsnorm_bwd_kernel[(P,)](

@@ -68,7 +68,8 @@ the CPU test fails when they drift apart.
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from ..kernels.gemm import NUM_SMS, interpreting
+from ..kernels.arch import arch
+from ..kernels.gemm import interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.lora_grad import _GRAD, _block_r
 from .lora import TARGETS
@@ -221,7 +222,7 @@ def _cdiv(a, b):
 def _lora_partials(N, P, R):
     """lora_grad._lora_grad's (S, P*R) fp32 partial sums."""
     BP, BT = (32, 32) if interpreting() else _GRAD[:2]
-    chunk = BT * _cdiv(_cdiv(N, _cdiv(2 * NUM_SMS, _cdiv(P, BP))), BT)
+    chunk = BT * _cdiv(_cdiv(N, _cdiv(2 * arch().sms, _cdiv(P, BP))), BT)  # the current GPU's SMs, as the kernel
     return _cdiv(N, chunk) * P * R * 4
 
 

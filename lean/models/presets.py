@@ -1,0 +1,38 @@
+"""The real configs lean is measured and checked on, as HF config.json values (no weights).
+
+    PRESETS["qwen3-0.6b"]   -> a dict config_from_hf reads (and transformers' AutoConfig.for_model)
+
+Used where a real model's shapes are needed without its weights: tools/bench_step.py (random-init
+models of these configs, lean against the peers), tests/test_arch.py (every kernel compiled at the
+configs its chooser returns for these shapes) and `lean-check --model qwen3-0.6b` (random init).
+The values are those of the models' own config.json files on the hub.
+"""
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+
+
+def _llama(C, F, L, H, KVH, D, tie, **kw):
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=C, intermediate_size=F,
+                num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KVH, head_dim=D,
+                tie_word_embeddings=tie, **kw)
+
+
+def _qwen3(C, F, L, H, KVH, tie):
+    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=C, intermediate_size=F,
+                num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KVH, head_dim=128,
+                vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=40960,
+                rope_parameters=_QWEN3_ROPE)
+
+
+PRESETS = {
+    "smollm2-135m": _llama(576, 1536, 30, 9, 3, 64, True, vocab_size=49152, rms_norm_eps=1e-5,
+                           max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+    "llama-3.2-1b": _llama(2048, 8192, 16, 32, 8, 64, True, vocab_size=128256, rms_norm_eps=1e-5,
+                           max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE),
+    "llama-3.2-3b": _llama(3072, 8192, 28, 24, 8, 128, True, vocab_size=128256, rms_norm_eps=1e-5,
+                           max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+}

@@ -1,0 +1,135 @@
+"""lean/kernels/arch.py, and every kernel compiled for every GPU target against its shared memory.
+
+test_every_kernel_fits_every_target runs tools/arch_compile.py: the step of every preset model
+(Llama-3.2-1B/3B, Qwen3-0.6B/8B/14B, SmolLM2-135M) on meta tensors under each target's arch row,
+every launch recorded with the config its chooser returned, and each distinct launch compiled by
+Triton 3.6 (its bundled ptxas) for sm_80, 86, 89, 90, 100, 120 and 121; metadata.shared must stay
+within the arch table's limit. Launches whose Triton compile key is in tests/arch_fit.json take
+the shared size recorded there (the memo: the same key means Triton would reuse the same binary),
+except a few drawn at random each run, which are compiled again and must agree; every other
+launch is compiled. test_a_config_too_large_fails is the test of that test.
+"""
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lean.kernels
+import lean.kernels.arch as A
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "arch_compile.py")
+TARGETS = (80, 86, 89, 90, 100, 120, 121)
+# Kernels only the Hopper path launches (TMA descriptors): compiled for the targets that take it.
+HOPPER_ONLY = {"_matmul_tma_kernel", "_lora_linear_fwd_tma_pre_kernel", "_lora_linear_bwd_tma_pre_kernel",
+               "_lora_lowrank_kernel"}
+
+
+def _compile_tool(args, code=None, timeout=900):
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT)
+    cmd = [sys.executable, TOOL, *args] if code is None else [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _kernels():
+    """Every @triton.jit kernel (a `_..._kernel` name) defined in lean/kernels."""
+    names = set()
+    for info in pkgutil.iter_modules(lean.kernels.__path__):
+        mod = importlib.import_module(f"lean.kernels.{info.name}")
+        for name, obj in inspect.getmembers(mod):
+            if name.endswith("_kernel") and getattr(obj, "fn", None) is not None and obj.fn.__module__ == mod.__name__:
+                names.add(name)
+    return names
+
+
+def test_every_kernel_fits_every_target(tmp_path):
+    out = tmp_path / "arch.json"
+    res = _compile_tool(["--workers", str(min(4, os.cpu_count() or 2)), "--spot", "6", "--json", str(out)])
+    print(res.stdout[-4000:], res.stderr[-4000:])
+    assert res.returncode == 0, f"tools/arch_compile.py failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    results = json.loads(out.read_text())
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, bad
+    seen = {(r["kernel"], r["cc"]) for r in results}
+    for name in _kernels():
+        for cc in TARGETS:
+            if name in HOPPER_ONLY and not A.target(cc // 10, cc % 10).tma:
+                continue
+            assert (name, cc) in seen, f"{name} was never compiled for sm_{cc}: add its launch to tools/arch_compile.py"
+    assert any(r["how"] == "memo, recompiled" for r in results) or all(r["how"] == "compiled" for r in results)
+
+
+def test_a_config_too_large_fails():
+    """The same check with one gemm tile enlarged past an RTX card's shared memory: it must fail,
+    naming the kernel, the config and the limit."""
+    code = ("import sys; sys.argv[0] = 'arch_compile'; sys.path.insert(0, 'tools'); import arch_compile as h; "
+            "import lean.kernels.gemm as G; G.TILES['sm86'] = dict(G.TILES['sm86'], kmajor=(256, 256, 64, 8, 3)); "
+            "sys.exit(h.main(sys.argv[1:]))")
+    res = _compile_tool(["--models", "qwen3-0.6b", "--targets", "86", "--workers", "2"], code=code)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "MISFIT sm_86 _matmul_kernel" in res.stdout and "BLOCK_M=256, BLOCK_N=256" in res.stdout, res.stdout[-3000:]
+    assert "the arch allows 101,376" in res.stdout
+
+
+def test_arch_rows():
+    h100 = A.target(9, 0)
+    assert (h100.tma, h100.tier, h100.smem, h100.sms) == (True, "sm90", 232_448, 132)
+    for cc in ((8, 6), (8, 9), (12, 0), (12, 1)):
+        a = A.target(*cc)
+        assert (a.tma, a.tier, a.smem) == (False, "sm86", 101_376), cc  # no TMA on sm_12x until it has run
+    assert A.target(8, 0).smem == 166_912 and not A.target(8, 0).tma
+    assert A.target(10, 0).tma and A.target(10, 0).tier == "sm90"
+    assert A.target(8, 7).tier == "sm80"
+    assert A.row_of(12, 3).name == A.row_of(12, 1).name  # a new minor revision: the nearest lower row
+    for cc in ((7, 5), (7, 0), (6, 1)):
+        with pytest.raises(A.UnsupportedGPU, match=r"needs 8.0 or newer.*tensor cores"):
+            A.target(*cc)
+    with pytest.raises(A.UnsupportedGPU, match="not in lean's arch table"):
+        A.target(11, 0)
+
+
+def test_arch_overrides(monkeypatch):
+    """LEAN_PORTABLE / portable() turn TMA off; LEAN_ARCH / emulate() take another row's configs on
+    the running GPU (simulated here: _device_arch answers an H100); forced() answers every device."""
+    monkeypatch.setattr(A, "interpreting", lambda: False)
+    monkeypatch.setattr(A, "_device_arch", lambda idx: A.target(9, 0, sms=132))
+    monkeypatch.delenv("LEAN_PORTABLE", raising=False)
+    monkeypatch.delenv("LEAN_ARCH", raising=False)
+    gpu = torch.device("cuda", 0)
+    assert A.arch(gpu).tma and A.arch(gpu).tier == "sm90"
+    with A.portable():
+        assert not A.arch(gpu).tma and A.arch(gpu).tier == "sm90" and A.arch(gpu).path == "portable"
+    monkeypatch.setenv("LEAN_PORTABLE", "1")
+    assert not A.arch(gpu).tma
+    with A.portable(False):
+        assert A.arch(gpu).tma
+    monkeypatch.delenv("LEAN_PORTABLE")
+    for setting in ("8.6", "sm_86", "86"):
+        monkeypatch.setenv("LEAN_ARCH", setting)
+        a = A.arch(gpu)
+        assert (a.tier, a.tma, a.smem, a.sms) == ("sm86", False, 101_376, 132), setting
+    monkeypatch.setenv("LEAN_ARCH", "banana")
+    with pytest.raises(A.UnsupportedGPU, match="LEAN_ARCH"):
+        A.arch(gpu)
+    monkeypatch.delenv("LEAN_ARCH")
+    with A.emulate(12, 0):
+        assert A.arch(gpu).tier == "sm86" and not A.arch(gpu).tma
+    forced = dataclasses.replace(A.target(8, 9), sms=24)
+    with A.forced(forced):
+        assert A.arch(torch.device("cpu")) == forced and A.arch(torch.device("meta")) == forced
+    assert A.arch(torch.device("cpu")) is A.INTERPRETER
+
+
+def test_describe_on_this_machine():
+    line = A.describe()
+    if torch.cuda.is_available():
+        assert "SMs" in line and "path" in line
+    else:
+        assert line.startswith("CPU (Triton interpreter)")

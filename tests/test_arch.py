@@ -100,6 +100,7 @@ def test_arch_overrides(monkeypatch):
     the running GPU (simulated here: _device_arch answers an H100); forced() answers every device."""
     monkeypatch.setattr(A, "interpreting", lambda: False)
     monkeypatch.setattr(A, "_device_arch", lambda idx: A.target(9, 0, sms=132))
+    monkeypatch.setattr(A, "_RESOLVED", {})  # answers cached under the real _device_arch stay out
     monkeypatch.delenv("LEAN_PORTABLE", raising=False)
     monkeypatch.delenv("LEAN_ARCH", raising=False)
     gpu = torch.device("cuda", 0)

@@ -6,6 +6,7 @@
     python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
     python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
     python tools/bench.py step --graph [--budget G] --peers ""   # lean and lean+graph only
+    python tools/bench.py step --graph --portable  # lean's rows on the Hopper and the portable path too
     python tools/bench.py step --profile [--graph]  # lean's GPU time per kernel family (bench_profile.py)
 
 How a number is taken:
@@ -381,12 +382,6 @@ def _lora_case(B, mod, label, n, K, O, R, s):
         tdb.add_(torch.mm(dy.t(), txa), alpha=s)
         tda.add_(torch.mm(tdxa.t(), x), alpha=s)
 
-    # sanity: one call each from zeroed accumulators
-    lean_fwd(), lora_fwd(), lean_bwd(), lora_bwd()
-    B.sync()
-    err_f = rel_err([(y, ty), (xa, txa)])
-    err_b = rel_err([(dx, tdx), (da, tda), (db, tdb)])
-
     shape = f"{label} N{n} K{K} O{O} R{R}"
     flops_base = 2.0 * n * K * O
     fwd_flops = flops_base + 2.0 * n * R * (K + O)
@@ -394,15 +389,24 @@ def _lora_case(B, mod, label, n, K, O, R, s):
     e = x.element_size()
     fwd_bytes = e * (n * K + O * K + n * O + n * R)
     bwd_bytes = e * (n * O + O * K + n * K + n * K + n * R)
-    for direction, lean_fn, fl, by, err, base, full in (
-        ("fwd", lean_fwd, fwd_flops, fwd_bytes, err_f, base_fwd, lora_fwd),
-        ("bwd", lean_bwd, bwd_flops, bwd_bytes, err_b, base_bwd, lora_bwd),
-    ):
-        lean_ms = B.time(lean_fn)
-        B.add(f"lora_linear {direction}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=B.time(base),
-              baseline="cuBLAS base", err=err)
-        B.add(f"lora_linear {direction}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=B.time(full),
-              baseline="cuBLAS base+LoRA", err=err)
+    torch_ms = {f: B.time(f) for f in (base_fwd, lora_fwd, base_bwd, lora_bwd)}
+    for suffix, ctx in gemm_paths(B):
+        with ctx():
+            # sanity: one call each from zeroed accumulators
+            da.zero_(), db.zero_(), tda.zero_(), tdb.zero_()
+            lean_fwd(), lora_fwd(), lean_bwd(), lora_bwd()
+            B.sync()
+            err_f = rel_err([(y, ty), (xa, txa)])
+            err_b = rel_err([(dx, tdx), (da, tda), (db, tdb)])
+            for direction, lean_fn, fl, by, err, base, full in (
+                ("fwd", lean_fwd, fwd_flops, fwd_bytes, err_f, base_fwd, lora_fwd),
+                ("bwd", lean_bwd, bwd_flops, bwd_bytes, err_b, base_bwd, lora_bwd),
+            ):
+                lean_ms = B.time(lean_fn)
+                B.add(f"lora_linear {direction}{suffix}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=torch_ms[base],
+                      baseline="cuBLAS base", err=err)
+                B.add(f"lora_linear {direction}{suffix}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=torch_ms[full],
+                      baseline="cuBLAS base+LoRA", err=err)
 
 
 def bench_gemm(B):
@@ -414,16 +418,38 @@ def bench_gemm(B):
         _guard(B, f"gemm {label}", _gemm_case, B, mod, label, n, K, O)
 
 
+def gemm_paths(B):
+    """(suffix, context) per GEMM path this GPU has: the Hopper path as a captured step takes it (TMA
+    at every size) where the arch table gives TMA, and the portable path (pointer loads: the code an
+    RTX or A100 card runs) everywhere."""
+    import contextlib
+
+    from lean.kernels import arch as A
+    from lean.kernels.gemm import tma_at_every_size
+
+    paths = [("", tma_at_every_size)] if not B.smoke and A.arch().tma else []
+    return paths + [(" portable", A.portable if not B.smoke else contextlib.nullcontext)]
+
+
 def _gemm_case(B, mod, label, n, K, O):
+    """y = x W^T and dx = dy W (the frozen projection's forward and input gradient) on each path."""
     x, w = B.randn(n, K), B.randn(O, K, scale=K**-0.5)  # (N, K), (O, K)
+    dy = B.randn(n, O)  # (N, O)
     y, ty = (torch.empty(n, O, device=B.device, dtype=B.dtype) for _ in range(2))  # (N, O)
-    lean_fn = lambda: mod.matmul(y, x, w.t())  # noqa: E731
-    torch_fn = lambda: torch.mm(x, w.t(), out=ty)  # noqa: E731
-    lean_fn(), torch_fn()
-    B.sync()
-    B.add("gemm x@W^T", f"{label} M{n} K{K} N{O}", B.time(lean_fn), flops=2.0 * n * K * O,
-          bytes_=x.element_size() * (n * K + K * O + n * O), torch_ms=B.time(torch_fn),
-          baseline="cuBLAS", err=rel_err([(y, ty)]))
+    dx, tdx = (torch.empty(n, K, device=B.device, dtype=B.dtype) for _ in range(2))  # (N, K)
+    for name, out, ref, a, b in (("gemm x@W^T", y, ty, x, w.t()), ("gemm dy@W", dx, tdx, dy, w)):
+        torch_fn = lambda: torch.mm(a, b, out=ref)  # noqa: E731
+        torch_fn()
+        torch_ms = B.time(torch_fn)
+        M, N = out.shape
+        for suffix, ctx in gemm_paths(B):
+            with ctx():
+                lean_fn = lambda: mod.matmul(out, a, b)  # noqa: E731
+                lean_fn()
+                B.sync()
+                B.add(name + suffix, f"{label} M{M} K{a.shape[1]} N{N}", B.time(lean_fn), flops=2.0 * M * N * a.shape[1],
+                      bytes_=x.element_size() * (M * a.shape[1] + a.shape[1] * N + M * N), torch_ms=torch_ms,
+                      baseline="cuBLAS", err=rel_err([(out, ref)]))
 
 
 # =============================================================================================
@@ -819,6 +845,8 @@ def main():
     st.add_argument("--json", help="write the rows to this path")
     st.add_argument("--graph", action="store_true", help="also lean+graph: the whole step replayed from lean.StepGraph")
     st.add_argument("--budget", type=float, help="lean only: VRAM budget (GiB) for the activation plan (plan_for)")
+    st.add_argument("--portable", action="store_true", help="lean's rows also on the portable path (LEAN_PORTABLE=1: "
+                    "pointer loads, no TMA, the code an RTX / A100 card runs), in the same run")
     st.add_argument("--profile", action="store_true", help="instead of the table: lean's GPU time per kernel family "
                     "per step, one model/layout per process (tools/bench_profile.py; default layout packed)")
     st.add_argument("--smoke", action="store_true", help="CPU, tiny configs, interpreter, no timing claims")
@@ -837,7 +865,7 @@ def main():
             return cmd_profile(models, layouts, args)
         steps = args.steps or (1 if args.smoke else 8)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
-                        smoke=args.smoke, timeout=args.timeout, budget=args.budget)
+                        smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable)
         return
     cmd_kernels(args)
 

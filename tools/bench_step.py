@@ -292,9 +292,10 @@ def _tail(text, n=15):
     return [ln[:200] for ln in text.strip().splitlines()[-n:]]
 
 
-def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, budget=None):
+def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, budget=None, env=None):
     """Start tools/bench_peers.py for one row; its last `ROW {json}` line, or an error row with
-    the tail of what it printed. graph and budget apply to lean's row only."""
+    the tail of what it printed. graph and budget apply to lean's row only; env: extra variables
+    (LEAN_PORTABLE=1 for lean's portable rows)."""
     cmd = [sys.executable, os.path.join(TOOLS, "bench_peers.py"), framework, model, layout,
            "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework == "lean")
@@ -307,7 +308,7 @@ def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, bu
     os.makedirs(cwd, exist_ok=True)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # its own group: a timeout ends its workers too
+                         start_new_session=True, env=dict(os.environ, **(env or {})))  # its own group: a timeout ends its workers too
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -338,16 +339,17 @@ def measure_matmul(smoke):
     return rate
 
 
-def split_lean_row(raw):
-    """lean's child row -> [eager row, lean+graph row if measured] (the graph row shares tokens)."""
+def split_lean_row(raw, suffix=""):
+    """lean's child row -> [eager row, lean+graph row if measured] (the graph row shares tokens),
+    named "lean" and "lean+graph" with the suffix (" portable")."""
     raw = dict(raw)
     g = raw.pop("graph", None)
-    rows = [(raw, "lean")]
+    rows = [(raw, "lean" + suffix)]
     if g is not None:
         rows.append((dict(g, tokens=raw["tokens"], checkpointing=raw["checkpointing"], wall_s=raw.get("wall_s", 0),
                           note=" ".join(filter(None, [raw.get("note", ""), f"max_docs {g['max_docs']}",
                                                       "bit-equal to eager" if g["equals_eager"]
-                                                      else "NOT BIT-EQUAL TO EAGER"]))), "lean+graph"))
+                                                      else "NOT BIT-EQUAL TO EAGER"]))), "lean+graph" + suffix))
     return rows
 
 
@@ -413,9 +415,10 @@ def write_json(path, rows, rate, device, smoke):
 
 
 def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=8, json_path=None,
-         graph=False, smoke=False, timeout=300, budget=None):
+         graph=False, smoke=False, timeout=300, budget=None, portable=False):
     """Run every (model, layout) x (lean, peers) row, each in its own process; print the table.
-    graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB."""
+    graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB;
+    portable: lean's rows once more with LEAN_PORTABLE=1 ("lean portable", "lean+graph portable")."""
     import importlib.util
 
     unknown = [f for f in peers if f not in FRAMEWORKS] + [m for m in models if m not in CONFIGS] + \
@@ -433,12 +436,16 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
     rows = []
     for m in models:
         for layout in layouts:
-            for fw in ["lean"] + [p for p in peers if p != "lean"]:
-                if fw != "lean" and not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
+            for fw in ["lean"] + ["lean portable"] * portable + [p for p in peers if p != "lean"]:
+                suffix, env = (" portable", {"LEAN_PORTABLE": "1"}) if fw == "lean portable" else ("", None)
+                if fw.startswith("lean"):
+                    raw = run_child("lean", m, layout, steps, warmup, smoke, graph, timeout, budget, env)
+                elif not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
                     raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
                 else:
                     raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout, budget)
-                parts = split_lean_row(raw) if fw == "lean" and raw.get("status", "ok") == "ok" else [(raw, fw)]
+                parts = split_lean_row(raw, suffix) if fw.startswith("lean") and raw.get("status", "ok") == "ok" \
+                    else [(raw, fw)]
                 for part, name in parts:
                     r = finish_row(part, name, m, layout, rate, smoke)
                     rows.append(r)
@@ -447,7 +454,28 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
                     write_json(json_path, rows, rate, device, smoke)
     print()
     print(fmt_table(rows))
+    if portable:
+        print()
+        print(fmt_portable(rows))
     return rows
+
+
+def fmt_portable(rows):
+    """Per model and layout: each portable lean row against the same row on the Hopper path and
+    against Unsloth (ratios of tok/s)."""
+    ok = {(r["model"], r["layout"], r["framework"]): r for r in rows if r["status"] == "ok"}
+    out = ["portable path (LEAN_PORTABLE=1) vs the arch path and Unsloth, tok/s ratios:"]
+    for (m, layout, fw), r in ok.items():
+        if not fw.endswith(" portable"):
+            continue
+        base, uns = ok.get((m, layout, fw[:-len(" portable")])), ok.get((m, layout, "Unsloth"))
+        cells = [f"{m} {layout} {fw}: {r['tokens_per_s']:,.0f} tok/s"]
+        if base:
+            cells.append(f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x {base['framework']}")
+        if uns:
+            cells.append(f"{r['tokens_per_s'] / uns['tokens_per_s']:.2f}x Unsloth")
+        out.append("  " + ", ".join(cells))
+    return "\n".join(out)
 
 
 def print_row(r):

@@ -3,6 +3,8 @@
     python tools/gemm_tune.py            # defaults only: the numbers quoted in the kernel files
     python tools/gemm_tune.py --sweep    # also every candidate block config per shape
     python tools/gemm_tune.py --graph    # CUDA-graph replays (not yet run on the device)
+    python tools/gemm_tune.py --portable --sweep   # the portable path (pointer loads, no TMA), its tier's candidates
+    LEAN_ARCH=8.6 python tools/gemm_tune.py        # the configs an RTX 30/40/50 card would pick, on this GPU
 
 Shapes: the projections of Qwen3-0.6B and Llama-3.2-1B, (K, O) = (in, out) features, LoRA rank 16.
   matmul:  y = x W^T  (M=N, N=O, K=K)  and  dx = dy W  (M=N, N=K, K=O), vs torch.matmul.
@@ -22,6 +24,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import lean.kernels.arch as A  # noqa: E402
 import lean.kernels.gemm as G  # noqa: E402
 import lean.kernels.lora_linear as L  # noqa: E402
 
@@ -39,6 +42,13 @@ FWD_CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
                (256, 128, 64, 8, 3)]
 BWD_CONFIGS = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
                (128, 128, 128, 8, 3)]
+# --portable: the pointer main loops (cp.async pipelining) an RTX / A100 card or LEAN_PORTABLE=1 runs;
+# on an H100 they still issue wgmma, so more stages and both tile orientations are in the race.
+PORTABLE_GEMM = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
+                 (128, 128, 64, 4, 4), (128, 128, 64, 4, 5), (128, 128, 64, 8, 4), (128, 256, 32, 8, 5),
+                 (256, 128, 32, 8, 5), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 64, 64, 4, 4)]
+PORTABLE_LORA = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                 (128, 128, 64, 8, 4), (128, 256, 32, 8, 5), (128, 128, 64, 4, 5), (64, 256, 64, 4, 4)]
 
 
 GRAPH = False   # --graph: time CUDA-graph replays (GPU time without Python launch cost)
@@ -73,7 +83,8 @@ def gemm_rows(K, O, name, sweep, log):
         ref = torch.matmul(a, b)
         flop = 2 * M * Nc * Kr
         t_cub = bench(lambda: torch.matmul(a, b, out=c))
-        configs = GEMM_CONFIGS if sweep else [None]
+        configs = (PORTABLE_GEMM if A.portable_forced() else GEMM_CONFIGS) if sweep else [None]
+        at = A.arch(a.device)
         cells = []
         for cfg in configs:
             pick = G.gemm_config if cfg is None else (lambda *_, cfg=cfg, **__: cfg)
@@ -84,10 +95,10 @@ def gemm_rows(K, O, name, sweep, log):
                 t = bench(lambda: G.matmul(c, a, b))
             finally:
                 G.gemm_config = saved
-            used = cfg or G.gemm_config(M, Nc, bf, b_kmajor=kmajor)
+            used = cfg or G.gemm_config(M, Nc, bf, at, b_kmajor=kmajor)
             cells.append((tflops(flop, t), used, err))
         best = max(cells, key=lambda z: z[0])
-        default = G.gemm_config(M, Nc, bf, b_kmajor=kmajor)
+        default = G.gemm_config(M, Nc, bf, at, b_kmajor=kmajor)
         d = next((z for z in cells if z[1] == default), cells[0])
         log(f"matmul {name:20s} {label:7s} cuBLAS {tflops(flop, t_cub):6.1f}  lean {d[0]:6.1f} {d[1]}{mark(d[2])}"
             f"  ({d[0] / tflops(flop, t_cub):.2f}x)" + (f"  best {best[0]:6.1f} {best[1]}{mark(best[2])}" if sweep else ""))
@@ -141,7 +152,9 @@ def lora_rows(K, O, name, sweep, log):
         L.lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, SCALE, dropout=p, seed=1)
 
     fwd_cells, bwd_cells = [], []
-    for cfg in (FWD_CONFIGS if sweep else [None]):
+    at = A.arch(x.device)
+    portable = A.portable_forced()
+    for cfg in ((PORTABLE_LORA if portable else FWD_CONFIGS) if sweep else [None]):
         saved, L._fwd_config = L._fwd_config, (L._fwd_config if cfg is None else (lambda *_, cfg=cfg: cfg))
         try:
             run_fwd()
@@ -149,9 +162,9 @@ def lora_rows(K, O, name, sweep, log):
             t = bench(run_fwd)
         finally:
             L._fwd_config = saved
-        fwd_cells.append((t, cfg or L._fwd_config(N, O, bf), err))
+        fwd_cells.append((t, cfg or L._fwd_config(N, O, bf, at), err))
     xa.copy_(xa_ref)
-    for cfg in (BWD_CONFIGS if sweep else [None]):
+    for cfg in ((PORTABLE_LORA if portable else BWD_CONFIGS) if sweep else [None]):
         saved, L._bwd_config = L._bwd_config, (L._bwd_config if cfg is None else (lambda *_, cfg=cfg: cfg))
         try:
             run_bwd()
@@ -159,18 +172,18 @@ def lora_rows(K, O, name, sweep, log):
             t = bench(run_bwd)
         finally:
             L._bwd_config = saved
-        bwd_cells.append((t, cfg or L._bwd_config(bf), err))
+        bwd_cells.append((t, cfg or L._bwd_config(bf, at), err))
     t_fwd_p = bench(lambda: run_fwd(0.1))
     t_bwd_p = bench(lambda: run_bwd(0.1))
     t_bwd_nodx = bench(lambda: L.lora_linear_bwd(None, da, db, dy, x, xa, w, a, b, SCALE))
 
-    df = next((z for z in fwd_cells if z[1] == L._fwd_config(N, O, bf)), fwd_cells[0])
+    df = next((z for z in fwd_cells if z[1] == L._fwd_config(N, O, bf, at)), fwd_cells[0])
     bf_ = min(fwd_cells, key=lambda z: z[0])
     log(f"lora fwd {name:20s} lean {tflops(flop_fwd, df[0]):6.1f} TF/s {df[0] * 1e3:7.1f} us {df[1]}{mark(df[2])} | "
         f"cuBLAS base {t_base * 1e3:7.1f} us ({t_base / df[0]:.2f}x) base+lora {t_tfwd * 1e3:7.1f} us "
         f"({t_tfwd / df[0]:.2f}x) | p=0.1 {t_fwd_p * 1e3:7.1f} us"
         + (f" | best {bf_[0] * 1e3:.1f} us {bf_[1]}{mark(bf_[2])}" if sweep else ""))
-    db_ = next((z for z in bwd_cells if z[1] == L._bwd_config(bf)), bwd_cells[0])
+    db_ = next((z for z in bwd_cells if z[1] == L._bwd_config(bf, at)), bwd_cells[0])
     bb = min(bwd_cells, key=lambda z: z[0])
     log(f"lora bwd {name:20s} lean {tflops(flop_bwd, db_[0]):6.1f} TF/s {db_[0] * 1e3:7.1f} us {db_[1]}{mark(db_[2])} | "
         f"cuBLAS dyW {t_dbase * 1e3:7.1f} us ({t_dbase / db_[0]:.2f}x) torch bwd {t_tbwd * 1e3:7.1f} us "
@@ -185,6 +198,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="time every candidate config")
     ap.add_argument("--only", choices=["gemm", "lora"], help="one half only")
+    ap.add_argument("--portable", action="store_true", help="the portable path (as LEAN_PORTABLE=1): pointer loads")
     ap.add_argument("--out", help="also write the lines to this file")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays: the kernels' GPU time without Python launch cost "
@@ -200,8 +214,11 @@ def main():
             out.write(s + "\n")
             out.flush()
 
+    if args.portable:
+        os.environ["LEAN_PORTABLE"] = "1"
     torch.manual_seed(0)
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  N={N_TOKENS} R={RANK}")
+    log(f"arch: {A.describe()}")
     for K, O, name in SHAPES:
         if args.only != "lora":
             gemm_rows(K, O, name, args.sweep, log)

@@ -6,6 +6,9 @@
 #   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py kernels (e.g. --only attention,lora)
 #   tools/gpu_check.sh step [ARGS]  # the step bench, lean and the peers: ARGS go to bench.py step
 #   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)
+#   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
+#                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
+#                                   # logs get a -portable suffix (tests-portable.log, ...)
 #
 # Logs and rows land in $OUT (default ./out): tests.log, bench.log, bench.json, step.log, step.json.
 # The device tool returns only the last 12,000 characters, so the script ends with a recap: the
@@ -23,6 +26,12 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
+SUFFIX=
+if [ "${1:-}" = --portable ]; then
+    export LEAN_PORTABLE=1
+    SUFFIX=-portable
+    shift
+fi
 PART=${1:-all}
 [ $# -gt 0 ] && shift
 case "$PART" in
@@ -62,6 +71,7 @@ install_wheels || { echo "gpu_check.sh: installing the wheels into $SITE failed 
 [ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
 nvidia-smi -L
+python3 -c "import lean.kernels.arch as A; print('arch:', A.describe())" || exit 1
 python3 -c "import torch, triton
 print(f'torch {torch.__version__} (cuda {torch.version.cuda}), triton {triton.__version__}')"
 python3 -c "import importlib.util as u
@@ -83,48 +93,48 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(-m gpu tests)  # the CPU tests run in CI; here the gpu-marked ones
     timeout "$TESTS_TIMEOUT" python3 -m pytest -q --durations=10 "${per_test[@]}" "${args[@]}" 2>&1 \
-        | tee "$OUT/tests.log"
+        | tee "$OUT/tests$SUFFIX.log"
     tests_rc=$?
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
     echo "=== bench kernels (cap ${BENCH_TIMEOUT}s)"
-    timeout "$BENCH_TIMEOUT" python3 tools/bench.py kernels --json "$OUT/bench.json" "$@" 2>&1 \
-        | tee "$OUT/bench.log"
+    timeout "$BENCH_TIMEOUT" python3 tools/bench.py kernels --json "$OUT/bench$SUFFIX.json" "$@" 2>&1 \
+        | tee "$OUT/bench$SUFFIX.log"
     bench_rc=$?
 fi
 if [ "$PART" = step ]; then
     echo "=== bench step (cap ${STEP_TIMEOUT}s)"
-    timeout "$STEP_TIMEOUT" python3 tools/bench.py step --json "$OUT/step.json" "$@" 2>&1 | tee "$OUT/step.log"
+    timeout "$STEP_TIMEOUT" python3 tools/bench.py step --json "$OUT/step$SUFFIX.json" "$@" 2>&1 | tee "$OUT/step$SUFFIX.log"
     step_rc=$?
 fi
 
 # Recap, last so it survives the 12,000-character tail: test summary, then the bench table.
 echo
-echo "=================================== recap ==================================="
+echo "=================================== recap${SUFFIX:+ (LEAN_PORTABLE=1)} ==================================="
 if [ "$tests_rc" != skipped ]; then
-    grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | cut -c1-160 | head -20
-    summary=$(tail -n 1 "$OUT/tests.log")
+    grep -E "^(FAILED|ERROR) " "$OUT/tests$SUFFIX.log" | cut -c1-160 | head -20
+    summary=$(tail -n 1 "$OUT/tests$SUFFIX.log")
     [ "$tests_rc" = 124 ] && summary="killed at ${TESTS_TIMEOUT}s"
     echo "tests: rc=$tests_rc ($summary)"
 fi
 if [ "$bench_rc" != skipped ]; then
     [ "$bench_rc" = 124 ] && echo "bench: killed at ${BENCH_TIMEOUT}s: the rows measured so far"
     echo "bench: rc=$bench_rc"
-    grep -E "^# (lean kernel bench|matmul)" "$OUT/bench.log"
-    if grep -q "^kernel  " "$OUT/bench.log"; then
-        sed -n '/^kernel  /,$p' "$OUT/bench.log"
+    grep -E "^# (lean kernel bench|matmul)" "$OUT/bench$SUFFIX.log"
+    if grep -q "^kernel  " "$OUT/bench$SUFFIX.log"; then
+        sed -n '/^kernel  /,$p' "$OUT/bench$SUFFIX.log"
     else
-        grep "^row " "$OUT/bench.log"  # the table never printed: the rows as they were measured
+        grep "^row " "$OUT/bench$SUFFIX.log"  # the table never printed: the rows as they were measured
     fi
 fi
 if [ "$step_rc" != skipped ]; then
     [ "$step_rc" = 124 ] && echo "step: killed at ${STEP_TIMEOUT}s: the rows measured so far"
     echo "step: rc=$step_rc"
-    grep -E "^# (bench step|matmul)" "$OUT/step.log"
-    if grep -q "^model  " "$OUT/step.log"; then
-        sed -n '/^model  /,$p' "$OUT/step.log"
+    grep -E "^# (bench step|matmul)" "$OUT/step$SUFFIX.log"
+    if grep -q "^model  " "$OUT/step$SUFFIX.log"; then
+        sed -n '/^model  /,$p' "$OUT/step$SUFFIX.log"
     else
-        grep "^row " "$OUT/step.log"  # the table never printed: the rows as they were measured
+        grep "^row " "$OUT/step$SUFFIX.log"  # the table never printed: the rows as they were measured
     fi
 fi
 [ "$tests_rc" = skipped ] || [ "$tests_rc" = 0 ] || exit 1

@@ -188,7 +188,22 @@ def interpreting():
 
 
 def arch(device=None):
-    """The Arch kernels on `device` choose by (None: the current CUDA device), after the overrides."""
+    """The Arch kernels on `device` choose by (None: the current CUDA device), after the overrides.
+    Called at every launch: the answer is cached per device and override setting."""
+    if _FORCED["arch"] is None and device is not None and device.type == "cuda":
+        key = (device.index, _FORCED["emulate"], _FORCED["portable"], os.environ.get("LEAN_ARCH"),
+               os.environ.get("LEAN_PORTABLE"), os.environ.get("TRITON_INTERPRET"))
+        a = _RESOLVED.get(key)
+        if a is None:
+            a = _RESOLVED[key] = _arch(device)
+        return a
+    return _arch(device)
+
+
+_RESOLVED = {}
+
+
+def _arch(device):
     if _FORCED["arch"] is not None:
         a = _FORCED["arch"]
         return replace(a, tma=False) if portable_forced() else a

@@ -218,8 +218,8 @@ def _lora_linear_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launch configuration, 16-bit inputs, per arch tier (lean/kernels/arch.py); every entry fits its
 # arch's shared memory by the compiler's own measure (tests/test_arch.py, sm_80 ... sm_121).
-# sm90 (H100, tuned). Evidence: tools/gemm_tune.py --sweep, bf16,
-# N = 8192, R = 16, the nine Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs.
+# sm90 (H100, tuned). First evidence: tools/gemm_tune.py --sweep, bf16,
+# N = 8192, R = 16, the nine Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs (five configs):
 #   forward (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 128x256x64 w8 s4 fastest or tied
 #     (within 2%) on 8 of 9 shapes; 256x128 +5-10%, 128x128 +20-30% time. The LoRA terms cost
 #     ~1% over the same kernel's base GEMM (qwen q: 80.4 us vs 79.5 us for lean's plain x W^T).
@@ -227,13 +227,19 @@ def _lora_linear_bwd_kernel(
 #     1.27x faster than 128x128 s4 on the GPU-bound shapes (Llama gate/up 594 vs 755 us, down 646
 #     vs 822 us); with dropout it spills 9 KB (ptxas), so p > 0 keeps 128x128 s4 (measured only
 #     there). Smaller shapes measured launch-bound (5 launches, ~30 us of Python each).
-# sm80 (A100, 166,912 B): the sm90 tiles (forward 153,600 B, backward 102,400, dropout 104,448);
-#   untuned.
-# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 153,600 / 102,400 /
-#   104,448 B there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles); BLOCK_K 32
-#   keeps the 128 x 256 output tile and 4 stages: 76,800 B forward and backward, 53,248 with dropout.
-_FWD = {"sm90": (128, 256, 64, 8, 4), "sm80": (128, 256, 64, 8, 4), "sm86": (128, 256, 32, 8, 4)}
-_BWD = {"sm90": (128, 256, 64, 8, 3), "sm80": (128, 256, 64, 8, 3), "sm86": (128, 256, 32, 8, 4)}
+#   Re-swept on the pointer kernels (the portable path, LEAN_PORTABLE=1, and eager steps below
+#   gemm.TMA_MIN_MACS), H100, 2026-11-25, tools/gemm_tune.py --portable --sweep --only lora, eight
+#   configs: 128x256x32 w8 s5 fastest on 8 of 9 forward shapes (Llama gate/up 500 us vs 559 at the
+#   earlier 128x256x64 s4, down 470 vs 519, Qwen3 q 72 vs 81) and within 4% or first on every
+#   backward shape (Qwen3 q 222 us vs 392 at 128x256x64 s3, down 206 vs 354, Llama gate/up 518 vs
+#   612, k/v 201 vs 325). The Hopper path's TMA kernels (lora_linear_tma.py) are unchanged.
+# sm80 (A100, 166,912 B): the sm90 tiles (102,400 B forward and backward: mma.sync keeps
+#   num_stages - 1 buffers; dropout 104,448); untuned.
+# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 102,400 / 104,448 B
+#   there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles; 25,600 B a stage at
+#   128x256x32), so 4 stages: 76,800 B forward and backward, 53,248 with dropout.
+_FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
+_BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned

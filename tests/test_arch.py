@@ -134,3 +134,20 @@ def test_describe_on_this_machine():
         assert "SMs" in line and "path" in line
     else:
         assert line.startswith("CPU (Triton interpreter)")
+
+
+def test_a_gpu_without_tensor_core_dots_is_refused_by_name(monkeypatch):
+    """A T4 (sm_75) is refused when the arch is first read (load_model reads it before any weight
+    moves), naming the GPU and what it lacks; an RTX 4060 laptop reads its own SM count."""
+    from types import SimpleNamespace
+
+    props = {0: SimpleNamespace(major=7, minor=5, name="Tesla T4", multi_processor_count=40,
+                                shared_memory_per_block_optin=65536),
+             1: SimpleNamespace(major=8, minor=9, name="NVIDIA GeForce RTX 4060 Laptop GPU",
+                                multi_processor_count=24, shared_memory_per_block_optin=101376)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: props[idx])
+    monkeypatch.setattr(A, "_CACHE", {})
+    with pytest.raises(A.UnsupportedGPU, match=r"GPU 0 \(Tesla T4\): compute capability 7.5 is not supported.*bfloat16"):
+        A._device_arch(0)
+    rtx = A._device_arch(1)
+    assert (rtx.name, rtx.sms, rtx.smem, rtx.tier, rtx.tma) == ("sm_89", 24, 101376, "sm86", False)

@@ -11,7 +11,9 @@
 
 How a number is taken:
   * time = median of triton.testing.do_bench(fn, warmup, rep) (it flushes L2 between calls);
-    lean and torch run on the same random inputs (fixed seed, never zeros).
+    lean and torch run on the same random inputs (fixed seed, never zeros). The GEMM and LoRA
+    linear rows time CUDA-graph replays of both sides (do_bench_cudagraph), as the captured step
+    runs them: at the small projections eager timing measured Python launch cost, not the kernel.
   * torch/lean > 1 means lean is faster.
   * floor = max(FLOPs / matmul rate, bytes / copy bandwidth), both measured at the start of the
     run: an 8192^3 bf16 torch matmul on random data, and a 1 GiB device-to-device copy counting
@@ -103,6 +105,15 @@ class Bench:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    def time_graph(self, fn):
+        """Median ms of fn replayed from a CUDA graph (the step's own setting: kernel time without
+        Python launch time); in smoke mode as time()."""
+        if self.smoke:
+            return self.time(fn)
+        import triton.testing
+
+        return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
 
     def measure_machine(self):
         """The two rates the floor is built from, measured here rather than taken from a sheet."""
@@ -389,7 +400,7 @@ def _lora_case(B, mod, label, n, K, O, R, s):
     e = x.element_size()
     fwd_bytes = e * (n * K + O * K + n * O + n * R)
     bwd_bytes = e * (n * O + O * K + n * K + n * K + n * R)
-    torch_ms = {f: B.time(f) for f in (base_fwd, lora_fwd, base_bwd, lora_bwd)}
+    torch_ms = {f: B.time_graph(f) for f in (base_fwd, lora_fwd, base_bwd, lora_bwd)}
     for suffix, ctx in gemm_paths(B):
         with ctx():
             # sanity: one call each from zeroed accumulators
@@ -402,7 +413,7 @@ def _lora_case(B, mod, label, n, K, O, R, s):
                 ("fwd", lean_fwd, fwd_flops, fwd_bytes, err_f, base_fwd, lora_fwd),
                 ("bwd", lean_bwd, bwd_flops, bwd_bytes, err_b, base_bwd, lora_bwd),
             ):
-                lean_ms = B.time(lean_fn)
+                lean_ms = B.time_graph(lean_fn)
                 B.add(f"lora_linear {direction}{suffix}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=torch_ms[base],
                       baseline="cuBLAS base", err=err)
                 B.add(f"lora_linear {direction}{suffix}", shape, lean_ms, flops=fl, bytes_=by, torch_ms=torch_ms[full],
@@ -440,14 +451,14 @@ def _gemm_case(B, mod, label, n, K, O):
     for name, out, ref, a, b in (("gemm x@W^T", y, ty, x, w.t()), ("gemm dy@W", dx, tdx, dy, w)):
         torch_fn = lambda: torch.mm(a, b, out=ref)  # noqa: E731
         torch_fn()
-        torch_ms = B.time(torch_fn)
+        torch_ms = B.time_graph(torch_fn)
         M, N = out.shape
         for suffix, ctx in gemm_paths(B):
             with ctx():
                 lean_fn = lambda: mod.matmul(out, a, b)  # noqa: E731
                 lean_fn()
                 B.sync()
-                B.add(name + suffix, f"{label} M{M} K{a.shape[1]} N{N}", B.time(lean_fn), flops=2.0 * M * N * a.shape[1],
+                B.add(name + suffix, f"{label} M{M} K{a.shape[1]} N{N}", B.time_graph(lean_fn), flops=2.0 * M * N * a.shape[1],
                       bytes_=x.element_size() * (M * a.shape[1] + a.shape[1] * N + M * N), torch_ms=torch_ms,
                       baseline="cuBLAS", err=rel_err([(out, ref)]))
 

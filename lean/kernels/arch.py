@@ -178,8 +178,11 @@ def _device_arch(idx):
     """The Arch a real GPU reports (cached per index): its cc, SM count and opt-in shared memory."""
     if idx not in _CACHE:
         p = torch.cuda.get_device_properties(idx)
-        smem = getattr(p, "shared_memory_per_block_optin", 0) or row_of(p.major, p.minor).smem
-        _CACHE[idx] = target(p.major, p.minor, sms=p.multi_processor_count, smem=smem)
+        try:
+            smem = getattr(p, "shared_memory_per_block_optin", 0) or row_of(p.major, p.minor).smem
+            _CACHE[idx] = target(p.major, p.minor, sms=p.multi_processor_count, smem=smem)
+        except UnsupportedGPU as e:
+            raise UnsupportedGPU(f"GPU {idx} ({p.name}): {e}") from None
     return _CACHE[idx]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.arch import arch
 from ..models.config import UnsupportedModelError, config_from_hf
 from ..models.weights import IGNORED_SUFFIXES, empty_model
 
@@ -118,6 +119,7 @@ def _fill(cfg, named, dtype, device, path):
     """Copy (name, get_tensor, source) items into a fresh model through the name map."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    arch(torch.device(device))  # a GPU lean cannot run on is refused here, before any weight moves
     model = empty_model(cfg, dtype, device, path=path)
     targets = dict(model.hf_tensors())
     seen, unexpected = set(), []

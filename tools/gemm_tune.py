@@ -199,6 +199,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time every candidate config")
     ap.add_argument("--only", choices=["gemm", "lora"], help="one half only")
     ap.add_argument("--portable", action="store_true", help="the portable path (as LEAN_PORTABLE=1): pointer loads")
+    ap.add_argument("--configs", help="with --sweep: these candidates instead of the built-in lists, e.g. "
+                    "128x256x32w8s6,256x128x32w8s5 (BLOCK_MxBLOCK_NxBLOCK_K, warps, stages)")
     ap.add_argument("--out", help="also write the lines to this file")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays: the kernels' GPU time without Python launch cost "
@@ -216,6 +218,12 @@ def main():
 
     if args.portable:
         os.environ["LEAN_PORTABLE"] = "1"
+    if args.configs:
+        import re
+        cands = [tuple(map(int, re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", c.strip()).groups()))
+                 for c in args.configs.split(",")]
+        global GEMM_CONFIGS, FWD_CONFIGS, BWD_CONFIGS, PORTABLE_GEMM, PORTABLE_LORA
+        GEMM_CONFIGS = FWD_CONFIGS = BWD_CONFIGS = PORTABLE_GEMM = PORTABLE_LORA = cands
     torch.manual_seed(0)
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  N={N_TOKENS} R={RANK}")
     log(f"arch: {A.describe()}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lean.kernels.attention import attention_bwd, attention_fwd
-from tests.reference.attention import attention_ref, attention_sdpa
+from lean.reference.attention import attention_ref, attention_sdpa
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 # Triton 3.6's interpreter turns the 1-element program-id arrays behind data-dependent loop

@@ -69,10 +69,8 @@ def check_rmsnorm(case, report):
 
 def rope_tables(case):
     """cos, sin (N, D2) fp32 of the batch's positions, by the reference (the kernels' inputs)."""
-    from ..kernels.rope import rope_inv_freq
-
     cfg = case.cfg
-    inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or None)
+    inv, scale = rope.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or None)
     inv = torch.from_numpy(inv).to(case.device)  # (D2,) fp32
     return (inv, scale), rope_table_ref(case.positions(), inv, scale)
 

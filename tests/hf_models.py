@@ -1,12 +1,6 @@
-"""Tiny random HF models of every supported architecture, and the HF + PEFT oracle for a step.
-
-The oracle runs each document alone through transformers + PEFT (no packing tricks), sums the
-token losses, divides by the total target count and backpropagates with torch.autograd: what lean
-must reproduce from one packed batch.
-"""
+"""Tiny random HF models of every supported architecture (the HF + PEFT oracle for a step is
+lean/reference/hf_peft.py)."""
 import torch
-
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def tiny_config(arch, dtype=torch.float32):
@@ -48,44 +42,3 @@ def build_hf(arch, seed, dtype=torch.float32, config=None):
             if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
-
-
-def peft_wrap(hf_model, lora):
-    """PEFT model carrying exactly lean's adapter weights."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
-    names = [{"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
-              "up": "up_proj", "down": "down_proj"}[t] for t in lora.targets]
-    pc = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=names, lora_dropout=0.0,
-                    use_rslora=lora.use_rslora)
-    pm = get_peft_model(hf_model, pc)
-    sd = {k: v.detach().cpu().to(torch.float32) for k, v in lora.state_dict().items()}
-    res = set_peft_model_state_dict(pm, sd)
-    assert not [k for k in res.unexpected_keys if "lora" in k], res.unexpected_keys
-    return pm
-
-
-def hf_loss_and_grads(pm, docs, device="cpu"):
-    """Sum of token losses over documents run one at a time; grads of (sum / count) by PEFT key."""
-    import torch.nn.functional as F
-
-    pm.zero_grad(set_to_none=True)
-    total, count = 0.0, 0
-    losses = []
-    for doc in docs:
-        ids, mask = (doc if isinstance(doc, tuple) else (doc, None))
-        ids_t = torch.tensor([ids], device=device)
-        logits = pm(input_ids=ids_t).logits[0].float()
-        tgt = torch.tensor(ids[1:], device=device, dtype=torch.long)
-        if mask is not None:
-            keep = torch.tensor(mask[1:], device=device, dtype=torch.bool)
-            tgt = torch.where(keep, tgt, torch.full_like(tgt, -100))
-        losses.append(F.cross_entropy(logits[:-1], tgt, reduction="sum", ignore_index=-100))
-        count += int((tgt != -100).sum())
-    total = torch.stack(losses).sum()
-    (total / count).backward()
-    grads = {}
-    for name, p in pm.named_parameters():
-        if "lora_" in name:
-            grads[name.replace(".default", "")] = p.grad.detach().clone()
-    return total.detach(), count, grads

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lean.kernels.adamw import adamw_step
-from tests.reference.adamw import AdamWRef
+from lean.reference.adamw import AdamWRef
 from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, poison, randn
 
 BETAS = dict(beta1=0.9, beta2=0.999, eps=1e-8)

@@ -1,10 +1,10 @@
-"""lean/kernels/embedding.py against tests/reference/embedding.py: a gather is a copy, so every
+"""lean/kernels/embedding.py against lean/reference/embedding.py: a gather is a copy, so every
 dtype must match bit for bit."""
 import pytest
 import torch
 
 from lean.kernels.embedding import embedding_fwd
-from tests.reference.embedding import embedding_ref
+from lean.reference.embedding import embedding_ref
 from tests.util import DEVICE, fresh_generator, poison, randn
 
 # A copy is exact, and the interpreter's bf16 trouble is only in tl.dot: bf16 runs on CPU too.

@@ -9,7 +9,7 @@ import lean.kernels.arch as A
 import lean.kernels.gemm as G
 import lean.kernels.gemm_splitk as S
 from lean.kernels.gemm import matmul
-from tests.reference.lora_linear import matmul_ref
+from lean.reference.lora_linear import matmul_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, hopper_path, poison, randn
 
 DTYPES = [torch.float32, LOWP]

@@ -17,7 +17,7 @@ def test_greedy_tokens_match_hf_generate(tmp_path, arch):
     prompt = rng.integers(0, model.config.vocab, int(rng.integers(1, 12))).tolist()
     steps = []
     out = generate(model, lora, prompt, max_new_tokens=9, on_logits=lambda i, lg: steps.append(lg.clone()))
-    from tests.hf_models import peft_wrap
+    from lean.reference.hf_peft import peft_wrap
 
     pm = peft_wrap(hf, lora)
     with torch.no_grad():

@@ -4,7 +4,7 @@ import torch
 
 from lean.kernels.argmax import argmax_fwd
 from lean.kernels.kv_attention import kv_attention_fwd
-from tests.reference.kv_attention import kv_attention_ref
+from lean.reference.kv_attention import kv_attention_ref, kv_attention_sdpa
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 CASES = [  # (T, n_past, H, KVH, D, L)
@@ -27,20 +27,8 @@ def test_kv_attention_matches_reference(dtype, T, P, H, KVH, D, L):
     poison(o)
     kv_attention_fwd(o, q, kc, vc, P, scale)
     ref = kv_attention_ref(q, kc, vc, P, scale)
-    lowp = None if dtype == torch.float32 else _torch_lowp(q, kc, vc, P, scale)
+    lowp = None if dtype == torch.float32 else kv_attention_sdpa(q, kc, vc, P, scale)
     assert_close_rule(o, ref, lowp, atol=1e-3 if dtype != torch.float32 else 0.0, name="o")
-
-
-def _torch_lowp(q, kc, vc, P, scale):
-    """torch's own attention in q's dtype (SDPA with an explicit causal-offset mask)."""
-    T, H, D = q.shape
-    G = H // kc.shape[1]
-    S = P + T
-    k = kc[:S].repeat_interleave(G, dim=1).transpose(0, 1)  # (H, S, D)
-    v = vc[:S].repeat_interleave(G, dim=1).transpose(0, 1)
-    keep = torch.arange(S, device=q.device)[None, :] <= (P + torch.arange(T, device=q.device))[:, None]
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=keep, scale=scale)
-    return o.transpose(0, 1)
 
 
 def test_kv_attention_rejects_bad_input():

@@ -6,7 +6,8 @@ import lean.kernels.gemm as G
 import lean.kernels.gemm_splitk as S
 import lean.kernels.linear_ce as CE
 from lean.kernels.linear_ce import linear_ce_fwd_bwd
-from tests.reference.linear_ce import linear_ce_chunked_ref, linear_ce_ref
+from lean.reference.linear_ce import dh_atol, linear_ce_chunked_ref, linear_ce_ref, loss_atol
+from lean.reference.rule import close_rule
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 gpu = pytest.mark.gpu
@@ -34,18 +35,13 @@ def assert_rule(out, ref, lowp, *, atol, name):
     """The project's rule where assert_close_rule cannot apply it by dtype: an fp32 result whose
     inputs carry torch-sized error (a loss summed from 16-bit logits, or fp32 on ill-conditioned
     logits). max|out - ref| <= 2 max|lowp - ref| + atol, lowp torch's own result at that precision."""
-    out, ref, lowp = (t.detach().double().cpu().reshape(-1) for t in (out, ref, lowp))
-    assert torch.isfinite(out).all(), f"{name}: non-finite result"
-    err, lerr = (out - ref).abs().max().item(), (lowp - ref).abs().max().item()
-    bound = 2 * lerr + atol
-    assert err <= bound, f"{name}: error {err:.3e} > {bound:.3e} = 2 * torch error {lerr:.3e} + atol"
+    v = close_rule(out.reshape(-1), ref.reshape(-1), lowp.reshape(-1), atol=atol, name=name, by_lowp=True)
+    assert v.ok, v.text
 
 
 def assert_loss_rule(out, ref, lowp, *, dtype):
-    """A 16-bit run's loss. atol: one 16-bit rounding flip of a target logit of size ~4 (the fp32 GEMM
-    accumulation order may round a logit the other way than torch) plus fp32 summation order."""
-    atol = 4 * torch.finfo(dtype).eps + 1e-5 * abs(float(ref))
-    assert_rule(out, ref, lowp, atol=atol, name="loss")
+    """A 16-bit run's loss, atol as lean/reference/linear_ce.loss_atol says."""
+    assert_rule(out, ref, lowp, atol=loss_atol(dtype, ref), name="loss")
 
 
 def check_against_reference(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100):
@@ -68,9 +64,7 @@ def check_against_reference(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_i
     low_loss, _, low_dh = linear_ce_ref(h, w, targets, **kw)
     assert_loss_rule(loss[0], ref_loss, low_loss, dtype=h.dtype)
     if dh is not None:
-        # atol: one half-ulp rounding of dh's largest element (torch and lean may round a tie apart).
-        atol = torch.finfo(h.dtype).eps / 2 * ref_dh.abs().max().item()
-        assert_close_rule(dh, ref_dh, low_dh, atol=atol, name="dh")
+        assert_close_rule(dh, ref_dh, low_dh, atol=dh_atol(h.dtype, ref_dh), name="dh")
 
 
 # (N, V, C, chunk_rows, grad_scale, ignore_index): odd sizes; chunk_rows None is the default (64 under
@@ -191,7 +185,7 @@ def test_linear_ce_qwen_vocab(monkeypatch):
     kw = dict(grad_scale=1 / N)
     ref_loss, ref_count, ref_dh = linear_ce_chunked_ref(h, w, targets, **kw)
     low_loss, _, low_dh = linear_ce_chunked_ref(h, w, targets, upcast=False, **kw)
-    atol = torch.finfo(torch.bfloat16).eps / 2 * ref_dh.abs().max().item()
+    atol = dh_atol(torch.bfloat16, ref_dh)
     for chunk_rows in (None, N):
         loss, dh = run(h, w, targets, chunk_rows=chunk_rows, **kw)
         assert loss[1].item() == ref_count.item()
@@ -222,7 +216,7 @@ def test_chunked_reference_matches_autograd():
     c_loss, _, c_dh = linear_ce_chunked_ref(h16, w16, targets, chunk_rows=16, upcast=False, **kw)
     assert c_dh.dtype == LOWP
     assert_loss_rule(c_loss, ref_loss, a_loss, dtype=LOWP)
-    assert_close_rule(c_dh, ref_dh, a_dh, atol=torch.finfo(LOWP).eps / 2 * ref_dh.abs().max().item())
+    assert_close_rule(c_dh, ref_dh, a_dh, atol=dh_atol(LOWP, ref_dh))
 
 
 def _args(N=5, V=11, C=8, dtype=torch.float32):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa, lora_xa_shared
-from tests.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
+from lean.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.test_lora_linear import _problem
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 

@@ -1,5 +1,5 @@
 """lean/kernels/qk_norm_rope.py: bit for bit the two-kernel path it replaces (rmsnorm_fwd on per-head
-views then rope_fwd; rope_bwd then rmsnorm_bwd) under the interpreter, and close to tests/reference's
+views then rope_fwd; rope_bwd then rmsnorm_bwd) under the interpreter, and close to lean/reference's
 rmsnorm_ref + rope_ref by the tolerance rule (CPU and H100)."""
 import pytest
 import torch
@@ -7,8 +7,7 @@ import torch
 from lean.kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from lean.kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from lean.kernels.rope import rope_bwd, rope_fwd, rope_inv_freq, rope_table
-from tests.reference.rmsnorm import rmsnorm_ref
-from tests.reference.rope import rope_ref
+from lean.reference.qk_norm_rope import qk_norm_rope_ref
 from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, poison, randn
 
 EPS = 1e-6
@@ -136,8 +135,7 @@ def test_close_to_reference(dtype, N, H, KVH, D):
     def ref(x, w, dout, dt):
         """(out, rstd, dx) of rope(rmsnorm_head(x) * w) computed in dt."""
         x = x.to(dt).requires_grad_(True)
-        n, _, rstd = rmsnorm_ref(x.reshape(-1, D), w.to(dt), EPS)
-        out = rope_ref(n.view(x.shape), cos, sin)
+        out, rstd = qk_norm_rope_ref(x, w.to(dt), EPS, cos, sin)
         out.backward(dout.to(dt))
         return out.detach(), rstd.detach(), x.grad
 

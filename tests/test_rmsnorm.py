@@ -1,9 +1,9 @@
-"""lean/kernels/rmsnorm.py against tests/reference/rmsnorm.py and HF's RMSNorm modules."""
+"""lean/kernels/rmsnorm.py against lean/reference/rmsnorm.py and HF's RMSNorm modules."""
 import pytest
 import torch
 
 from lean.kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-from tests.reference.rmsnorm import rmsnorm_bwd_ref, rmsnorm_ref
+from lean.reference.rmsnorm import rmsnorm_bwd_ref, rmsnorm_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 EPS = 1e-6

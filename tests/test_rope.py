@@ -1,5 +1,5 @@
 """lean/kernels/rope.py against transformers' RoPE (init functions, rotary class, apply_rotary_pos_emb)
-and tests/reference/rope.py (backward through autograd)."""
+and lean/reference/rope.py (backward through autograd)."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lean.kernels.rope import rope_bwd, rope_fwd, rope_inv_freq, rope_table
-from tests.reference.rope import rope_ref, rope_table_ref
+from lean.reference.rope import rope_ref, rope_table_ref
 from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, poison, randn
 
 DTYPES = [torch.float32, LOWP]

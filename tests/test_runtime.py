@@ -7,7 +7,7 @@ import torch
 
 import lean
 from lean.models.config import config_from_hf
-from tests.hf_models import build_hf, peft_wrap, tiny_config
+from tests.hf_models import build_hf, tiny_config
 from tests.util import DEVICE
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import lean
-from tests.hf_models import build_hf, hf_loss_and_grads, peft_wrap
+from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from tests.hf_models import build_hf
 from tests.util import DEVICE, fresh_generator
 
 

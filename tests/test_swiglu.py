@@ -1,9 +1,9 @@
-"""lean/kernels/swiglu.py against tests/reference/swiglu.py."""
+"""lean/kernels/swiglu.py against lean/reference/swiglu.py."""
 import pytest
 import torch
 
 from lean.kernels.swiglu import swiglu_bwd, swiglu_fwd
-from tests.reference.swiglu import swiglu_bwd_ref, swiglu_ref
+from lean.reference.swiglu import swiglu_bwd_ref, swiglu_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
 DTYPES = [torch.float32, LOWP]

@@ -1,8 +1,10 @@
-"""Shared test helpers: device and dtype choice, fresh seeds, poisoning, the tolerance rule."""
+"""Shared test helpers: device and dtype choice, fresh seeds, poisoning, the tolerance rule asserted."""
 import os
 import random
 
 import torch
+
+from lean.reference.rule import close_rule
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -53,28 +55,6 @@ def poison(*tensors):
 
 
 def assert_close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out"):
-    """The project's tolerance rule.
-
-    out:  the kernel's result (any dtype).
-    ref:  the reference in float32 or float64 (high precision).
-    lowp: torch's own computation at out's low precision (bf16/fp16), required when out is.
-
-    float32/float64 out: max|out - ref| <= rtol32 * max|ref| + atol.
-    bf16/fp16 out:       max|out - ref| <= 2 * max|lowp - ref| + atol.
-    NaN or inf never passes; shapes must match.
-    """
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    o = out.detach().double().cpu()
-    r = ref.detach().double().cpu()
-    assert torch.isfinite(o).all(), f"{name}: {int((~torch.isfinite(o)).sum())} non-finite elements (unwritten?)"
-    err = (o - r).abs().max().item() if o.numel() else 0.0
-    scale = r.abs().max().item() if r.numel() else 0.0
-    if out.dtype in (torch.float32, torch.float64):
-        bound = rtol32 * scale + atol
-        rule = f"{rtol32:g} * max|ref| + atol"
-    else:
-        assert lowp is not None, f"{name}: a {out.dtype} result needs torch's own low-precision result"
-        lerr = (lowp.detach().double().cpu() - r).abs().max().item()
-        bound = 2.0 * lerr + atol
-        rule = f"2 * torch {out.dtype} error ({lerr:.3e}) + atol"
-    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} = {rule} (max|ref| = {scale:.3e})"
+    """The project's tolerance rule (lean/reference/rule.py's close_rule, by out's dtype), asserted."""
+    v = close_rule(out, ref, lowp, atol=atol, rtol32=rtol32, name=name)
+    assert v.ok, v.text

@@ -48,3 +48,16 @@ def linear_ce_chunked_ref(h, w, targets, *, grad_scale=1.0, ignore_index=-100, c
         del logits, g
     count = (targets != ignore_index).sum().float()
     return loss, count, dh
+
+
+def loss_atol(dtype, ref_loss):
+    """The rule's atol for a 16-bit run's summed loss: one 16-bit rounding flip of a target logit of
+    size ~4 (the fp32 GEMM accumulation order may round a logit the other way than torch) plus fp32
+    summation order."""
+    return 4 * torch.finfo(dtype).eps + 1e-5 * abs(float(ref_loss))
+
+
+def dh_atol(dtype, ref_dh):
+    """The rule's atol for a 16-bit dh: one half-ulp rounding of dh's largest element (torch and
+    lean may round a tie apart)."""
+    return torch.finfo(dtype).eps / 2 * ref_dh.abs().max().item()

@@ -192,10 +192,8 @@ class MissingKernel(Exception):
 
 
 def reference(name):
-    """tests/reference/<name>.py: the plain-torch references the tests use."""
-    if importlib.util.find_spec(f"tests.reference.{name}") is None:
-        raise ImportError(f"tests/reference/{name}.py missing")
-    return importlib.import_module(f"tests.reference.{name}")
+    """lean/reference/<name>.py: the plain-torch references the tests and lean-check use."""
+    return importlib.import_module(f"lean.reference.{name}")
 
 
 # =============================================================================================
@@ -504,7 +502,7 @@ def _rmsnorm_case(B, mod, model, n, C):
     lean_fwd = lambda: mod.rmsnorm_fwd(y, rstd, x, w, eps, residual=res, h=h)  # noqa: E731
     lean_bwd = lambda: mod.rmsnorm_bwd(dx, None, dy, h, w, rstd, dresidual=dres)  # noqa: E731
 
-    ref = reference("rmsnorm")  # tests/reference/rmsnorm.py: HF's eager recipe
+    ref = reference("rmsnorm")  # lean/reference/rmsnorm.py: HF's eager recipe
 
     xg, resg = x.clone().requires_grad_(), res.clone().requires_grad_()
     ty, th, _ = ref.rmsnorm_ref(xg, w, eps, residual=resg)
@@ -539,7 +537,7 @@ def bench_rope(B):
 
 
 def _rope_case(B, mod, model, n, H, KVH, D):
-    ref = reference("rope")  # tests/reference/rope.py: HF's recipe, for the sanity check
+    ref = reference("rope")  # lean/reference/rope.py: HF's recipe, for the sanity check
     dev, dt = B.device, B.dtype
     pos = torch.arange(n, device=dev, dtype=torch.float32) % 2048  # packed positions restart per doc
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
@@ -584,7 +582,7 @@ def _swiglu_case(B, mod, model, n, Fh):
     h, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
     lean_fwd = lambda: mod.swiglu_fwd(h, g, u)  # noqa: E731
     lean_bwd = lambda: mod.swiglu_bwd(dg, du, dh, g, u)  # noqa: E731
-    ref = reference("swiglu")  # tests/reference/swiglu.py: F.silu(g) * u, torch eager
+    ref = reference("swiglu")  # lean/reference/swiglu.py: F.silu(g) * u, torch eager
     gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
     th = ref.swiglu_ref(gg, ug)
     torch_bwd = lambda: torch.autograd.grad(th, (gg, ug), dh, retain_graph=True)  # noqa: E731

@@ -97,16 +97,9 @@ def doc_lengths(layout, total=TOKENS, seed=0):
         return [total // 4] * 4
     if layout != "packed":
         raise ValueError(f"unknown layout {layout!r}: packed or padded")
-    rng = np.random.default_rng(seed)
-    mean, least = total / 16, max(2, total // 512)
-    lens, left = [], total
-    while left > 0:
-        n = min(left, max(least, int(rng.exponential(mean))))
-        if 0 < left - n < least:
-            n = left
-        lens.append(n)
-        left -= n
-    return lens
+    from lean.check.case import doc_lengths as exponential_lengths
+
+    return exponential_lengths(total, total / 16, max(2, total // 512), seed)
 
 
 def useful_flops(cfg, lens):

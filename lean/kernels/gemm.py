@@ -225,10 +225,7 @@ def gemm_config(M, N, dtype, at, b_kmajor=False, K=0):
     if dtype == torch.float32:
         return _FP32
     tiles = TILES[at.tier]
-    # 256-row tiles only where they pad no more rows than 128-row ones: the lm_head's 640-row
-    # chunks (Llama-3.2-1B) ran at 398 TF/s in 256x128 tiles on the H100's portable path (three
-    # row blocks, the last half empty; 844 us a chunk, bench_profile.py).
-    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= at.sms and 2 * triton.cdiv(M, 256) == triton.cdiv(M, 128):
+    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= at.sms:
         return tiles["kmajor"]
     if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= at.sms // 2:
         return tiles["wide"]

@@ -11,7 +11,8 @@ tokens, lr, ... sized for the device) fills every flag not given; otherwise Trai
 (settings.py; --help prints each range); the run holds --out's lock through the merge. Errors
 (ConfigError, TrainError, DataError, ModelLoadError, OSError, ...) exit with status 2 and one line:
 the cause and the fix; Ctrl-C saves a checkpoint and exits with status 130, saying what is saved
-and what to run next. Data warnings print as one "lean-train: warning:" line.
+and what to run next. Data warnings print as one "lean-train: warning:" line. Without a GPU,
+numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse
 import importlib.util
@@ -131,6 +132,7 @@ def config_from_args(args):
         max_grad_norm=args.max_grad_norm, dropout=args.dropout, targets=targets,
         seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume, overwrite=args.overwrite,
         progress=not args.quiet, sample_prompt=args.sample_prompt, heldout_tokens=args.heldout_tokens,
+        report_process=None,  # on a CPU with a core to spare, the report runs beside the training
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph, **recipe)
     if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
         cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
@@ -161,9 +163,10 @@ def main(argv=None) -> int:
     """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C
     (one line: what is saved and what to run next)."""
     from .runtime.checkpoint import RunLock
+    from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
     from .runtime.settings import check_config
-    from .runtime.train import TrainError, train
+    from .runtime.train import TrainError, resolve_device_dtype, train
 
     args = build_parser().parse_args(argv)
     show = warnings.showwarning
@@ -171,6 +174,8 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
         check_config(cfg)  # before anything loads or is written
+        if resolve_device_dtype(cfg)[0] == "cpu":  # the kernels run in Triton's interpreter
+            one_blas_thread()
         with RunLock(cfg.out_dir):  # held through the merge too: the folder has one owner
             metrics = train(cfg)
             merged = merge_run(cfg, metrics["adapter"]) if args.merge else None

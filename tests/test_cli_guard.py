@@ -304,3 +304,57 @@ def test_default_out_folder_is_ignored_by_git():
     res = subprocess.run(["git", "check-ignore", "-q", "lean-out/adapter/x"], cwd=ROOT)
     assert res.returncode == 0, "the README's first command leaves an untracked lean-out/ in the repository"
 
+
+def test_cli_on_the_cpu_runs_numpys_blas_on_one_thread(tiny, tmp_path, monkeypatch):
+    from lean.runtime import interp
+
+    if interp.blas_threads() is None:
+        pytest.skip("numpy's BLAS is not an OpenBLAS this process can find")
+    interp._call(interp.SETTERS, 2)
+    assert interp.blas_threads() == 2
+    _interrupt_at(monkeypatch, "resolve_model")  # stop before anything loads
+    assert main(_args(tiny, tmp_path / "run", "--quiet")) == 130
+    assert interp.blas_threads() == 1
+
+
+def test_report_beside_the_training_equals_the_one_in_process(tiny, tmp_path):
+    """report_process=True: the untrained model's held-out loss and sample, and the trained
+    adapter's sample, come from a second process, with the same values and records in order."""
+    model, data, _ = tiny
+    runs = {}
+    for beside in (False, True):
+        cfg = T.TrainConfig(model=str(model), data=str(data), out_dir=str(tmp_path / str(beside)), max_tokens=64,
+                            steps=2, warmup_steps=1, r=2, targets=["q"], sample_tokens=2, sample_prompt="the cat",
+                            heldout_fraction=0.2, report_process=beside, progress=False, tensorboard=False)
+        r = T.train(cfg)
+        lines = [json.loads(x) for x in (tmp_path / str(beside) / "metrics.jsonl").read_text().splitlines()]
+        runs[beside] = ([r[k] for k in ("eval_loss_before", "eval_loss", "sample_before", "sample_after")],
+                        [(m["kind"], m["step"], m.get("loss"), m.get("text")) for m in lines])
+    assert runs[True] == runs[False]
+    assert [(k, s) for k, s, _, _ in runs[True][1]] == [("sample", 0), ("eval", 0), ("train", 1), ("train", 2),
+                                                        ("eval", 2), ("sample", 2)]
+
+
+def test_report_goes_beside_the_training_where_it_pays(tiny, monkeypatch):
+    import lean
+    from lean.runtime import report
+
+    model = lean.load_model(tiny[0], dtype=torch.float32, device="cpu")
+    cfg = T.TrainConfig(model="", data="", report_process=None)
+    assert not report.report_in_process(cfg, "cpu", model)  # a tiny model: its report is cheaper than a process
+    monkeypatch.setattr(report, "MIN_PARAMS", 1)
+    monkeypatch.setattr(report.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert report.report_in_process(cfg, "cpu", model) and not report.report_in_process(cfg, "cuda", model)
+    monkeypatch.setattr(report.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not report.report_in_process(cfg, "cpu", model)  # one core: nothing to gain
+    cfg.report_process = False
+    assert not report.report_in_process(cfg, "cpu", model)
+
+
+def test_cpu_evaluates_the_heldout_set_in_one_batch():
+    """The interpreter's cost is per launch: on the CPU the held-out set (up to --heldout-tokens) is
+    one forward; on a GPU batches of --max-tokens, where the step's memory is known to fit."""
+    cfg = T.TrainConfig(model="", data="", max_tokens=64, heldout_tokens=1000)
+    assert T.eval_budget(cfg, "cpu") == 1000 and T.eval_budget(cfg, "cuda") == 64
+    cfg.heldout_tokens = 30
+    assert T.eval_budget(cfg, "cpu") == 64

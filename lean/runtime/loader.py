@@ -26,8 +26,9 @@ class ModelLoadError(RuntimeError):
     pass
 
 
-def resolve_model_dir(path_or_id) -> Path:
-    """A local folder as is; otherwise a hub id fetched with huggingface_hub (needed files only)."""
+def local_model_dir(path_or_id):
+    """The local model folder path_or_id names, None for a hub id; ModelLoadError for a file or a
+    local-looking path with nothing there (checked before anything loads)."""
     p = Path(os.path.expanduser(str(path_or_id)))
     if p.is_dir():
         return p
@@ -37,6 +38,14 @@ def resolve_model_dir(path_or_id) -> Path:
     looks_local = str(path_or_id).startswith((".", "/", "~")) or str(path_or_id).count("/") > 1
     if looks_local:
         raise ModelLoadError(f"model folder {p} does not exist: check the path")
+    return None
+
+
+def resolve_model_dir(path_or_id) -> Path:
+    """A local folder as is; otherwise a hub id fetched with huggingface_hub (needed files only)."""
+    p = local_model_dir(path_or_id)
+    if p is not None:
+        return p
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(str(path_or_id), allow_patterns=HUB_PATTERNS))

@@ -25,15 +25,16 @@ METRICS = "metrics.jsonl"
 
 
 class Progress:
-    """A progress line per step: tqdm if importable, else print."""
+    """A progress line per step (or held-out batch): tqdm if importable, else print. leave=False:
+    the bar goes when it closes (the held-out evaluation's)."""
 
-    def __init__(self, start, total, enabled):
+    def __init__(self, start, total, enabled, desc="lean-train", leave=True):
         self.bar = None
         self.enabled = enabled
         if enabled:
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=start, desc="lean-train", dynamic_ncols=True)
+                self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True, leave=leave)
             except ImportError:
                 pass
 
@@ -69,11 +70,13 @@ class Metrics:
     def __init__(self, out_dir, tensorboard=True, resume_step=None):
         out_dir = Path(out_dir)
         path = out_dir / METRICS
+        self.kept = []  # (kind, step) of the records a resumed run keeps
         if resume_step is not None and path.exists():
             keep = [x for x in path.read_text().splitlines(keepends=True) if _step_of(x) <= resume_step]
             tmp = path.with_name(f".{METRICS}.tmp")
             tmp.write_text("".join(keep))
             os.replace(tmp, path)
+            self.kept = [(r.get("kind"), r.get("step")) for r in map(json.loads, keep)]
         self.fh = open(path, "a")
         self.tb = None
         if tensorboard and importlib.util.find_spec("tensorboard") is not None:

@@ -24,6 +24,7 @@ Tested: tests/test_data.py (every format and error, the chatterbot corpus).
 """
 import importlib.util
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +58,8 @@ class Record:
 
 def load_records(path) -> list:
     """Records of a data file, or of every data file under a folder (recursive, sorted)."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data path {path} does not exist: pass a data file or a folder of them")
-    files = [path] if path.is_file() else _data_files(path)
-    if not files:
-        raise DataError(f"{path} holds no data file: add {', '.join(SUFFIXES)} files")
+    path = Path(os.path.expanduser(str(path)))
+    files = data_files(path)
     records = []
     for f in files:
         records.extend(_read_file(f))
@@ -70,6 +67,22 @@ def load_records(path) -> list:
         raise DataError(f"{path}: no records in {len(files)} file(s) (empty, or blank lines only): "
                         "add examples, or point --data at the files that hold them")
     return records
+
+
+def data_files(path) -> list:
+    """The data files of a file or folder (see the module docstring); DataError when there is
+    nothing there, no data file, or a file of an unknown kind (checked before anything loads)."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist: pass a data file or a folder of them")
+    files = [path] if path.is_file() else _data_files(path)
+    if not files:
+        raise DataError(f"{path} holds no data file: add {', '.join(SUFFIXES)} files")
+    for f in files:
+        if f.suffix.lower() not in SUFFIXES:
+            raise DataError(f"{f}: unknown data file extension {f.suffix!r}: supported are "
+                            f"{', '.join(SUFFIXES)}; rename the file or move it out of the data folder")
+    return files
 
 
 def _data_files(folder: Path) -> list:
@@ -91,10 +104,7 @@ def _read_file(f: Path) -> list:
         return [Record("text", f"{f}:1", text=text)]
     if suffix == ".json":
         return _read_document(f, _load_json(f))
-    if suffix in (".yml", ".yaml"):
-        return _read_document(f, _load_yaml(f))
-    raise DataError(f"{f}: unknown data file extension {f.suffix!r}: supported are "
-                    f"{', '.join(SUFFIXES)}; rename the file or move it out of the data folder")
+    return _read_document(f, _load_yaml(f))  # .yml / .yaml: data_files let no other suffix through
 
 
 def _text(f: Path, data: bytes = None, first_line: int = 1) -> str:

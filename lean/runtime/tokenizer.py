@@ -105,6 +105,20 @@ def _compile_template(source: str, where: str):
                              "fix the template") from e
 
 
+def _load_error(tok_path: Path, e: Exception) -> TokenizerError:
+    """Why tokenizer.json did not load: a file that is not JSON (cut off, empty, not UTF-8) is named
+    as such; only a JSON file the `tokenizers` library refuses points at its version."""
+    try:
+        json.loads(tok_path.read_bytes())
+    except (OSError, ValueError) as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        where = f" at line {bad.lineno}" if isinstance(bad, json.JSONDecodeError) else ""
+        size = tok_path.stat().st_size if tok_path.exists() else 0
+        return TokenizerError(f"{tok_path} is not valid JSON{where} ({size:,} bytes; cut off or damaged?): "
+                              "download or copy it again from the model's repository")
+    return TokenizerError(f"{tok_path} does not load in tokenizers {tokenizers.__version__} ({e}): the file may "
+                          "need a newer tokenizers (pip install -U tokenizers), or re-save it with this one")
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special tokens and chat template of a model folder.
 
@@ -142,8 +156,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust side raises a plain Exception on bad files
-            raise TokenizerError(f"{tok_path} does not load ({e}): re-save the tokenizer with a "
-                                 f"tokenizers version >= {tokenizers.__version__}") from e
+            raise _load_error(tok_path, e) from e
         cfg_path = d / "tokenizer_config.json"
         cfg = _read_json(cfg_path)
         fallback = _read_json(d / "special_tokens_map.json")

@@ -10,7 +10,9 @@ point. LR: linear warm-up to `lr` over `warmup_steps`, then cosine down to `lr *
 
 Data order: epoch e packs the training documents with `pack_batches(seed=seed + e)`; micro-batches
 are taken in that order, and the next epoch starts when one runs out. The held-out split
-(`heldout_fraction`, seeded) is evaluated before training, every `eval_every` steps and at the end.
+(`heldout_fraction`, seeded, at most `heldout_tokens` tokens: the drawn documents past the cap
+train) is evaluated before training, every `eval_every` steps and at the end, with a progress bar;
+on a GPU in batches of max_tokens, on the CPU in one batch (the interpreter's cost is per launch).
 
 Outputs in out_dir:
   metrics.jsonl   one JSON line per step {"kind": "train", "step", "loss", "lr", "grad_norm",
@@ -27,13 +29,21 @@ order, the same dropout seeds and the same optimizer state: the per-step losses 
 uninterrupted run (bit for bit on CPU). The config fields that shape the run and the training
 documents must match; an unreadable checkpoint falls back to checkpoint.old where one is left.
 A fresh run refuses an out_dir that holds an earlier run (`overwrite=True` deletes it, once the
-model and data have loaded). Settings, data and checkpoint are checked before the weights load.
+model and data have loaded). Every setting is checked first (settings.check_config: ranges,
+paths, device), then out_dir's lock is taken (checkpoint.RunLock: a second run on the folder is
+refused naming this one's PID), then the checkpoint's settings; data and checkpoint are checked
+before the weights load. A resumed run that has already trained its steps and written its adapter
+returns at once with "finished" set (lean-train --resume --merge merges it).
 
 Errors are TrainError naming the cause and the fix: a NaN/inf loss or grad norm (names the step;
 raised before anything of it is saved, so the last checkpoint stays good), out of
 memory (lower --max-tokens; in the loop the completed steps are checkpointed first), a checkpoint
-that does not match the config or cannot be read. KeyboardInterrupt saves a checkpoint at the
-last completed step and is re-raised with a message on how to resume.
+that does not match the config or cannot be read, an OSError on a file (its path, the fix, and
+what is kept). KeyboardInterrupt saves a checkpoint at the last completed step and is re-raised
+with a message that says what is saved and what to run next: while loading (nothing written),
+before step 1 (nothing trained), after a step, again during that checkpoint's write (not saved:
+the previous one is named), after the last step (the adapter is written by --resume), in the
+final evaluation or sample (the adapter is complete).
 Caution: an interrupt that lands inside the optimizer update cannot be checkpointed safely; the
 previous checkpoint is kept and the message says so.
 Before and after training it prints the held-out loss and a greedy sample answer to a fixed
@@ -48,7 +58,8 @@ the run goes on eagerly). The graph's GEMMs may differ from the eager step's in 
 (graph.py's Cautions); `--no-graph` runs every step eagerly.
 Tested: tests/test_train.py (loss goes down, resume == uninterrupted after an interrupt inside
 or between steps, atomic and flushed checkpoints, NaN/inf errors, OOM, the out_dir guard, CLI;
-on the GPU the graph run against the eager one).
+on the GPU the graph run against the eager one), tests/test_cli_guard.py (the folder's lock,
+settings, exit messages, finished runs, the held-out cap).
 """
 import math
 import os
@@ -61,8 +72,8 @@ import numpy as np
 import torch
 
 from .batch import pack
-from .checkpoint import (CHECKPOINT, TrainError, data_fingerprint, earlier_run, prepare_out_dir, read_checkpoint,
-                         restore_checkpoint, run_state, save_checkpoint)
+from .checkpoint import (CHECKPOINT, RunLock, TrainError, data_fingerprint, earlier_run, finished_step, kept,
+                         prepare_out_dir, read_checkpoint, restore_checkpoint, run_state, save_checkpoint)
 from .data import load_records, pack_batches, split_heldout, tokenize_records
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
@@ -70,6 +81,8 @@ from .observe import Metrics, Progress, sample
 from .graph import StepGraph
 from .optim import AdamW
 from .planner import format_plan, plan_for
+from .report import ReportJob, report_in_process
+from .settings import HELDOUT_TOKENS, check_config
 from .step import forward_backward, loss_eval
 from .tokenizer import Tokenizer
 
@@ -94,6 +107,7 @@ class TrainConfig:
     eval_every: int = 50          # 0: evaluate only before and after training
     save_every: int = 50          # 0: checkpoint only on interrupt
     heldout_fraction: float = 0.05
+    heldout_tokens: int = HELDOUT_TOKENS  # cap of the held-out set (documents past it train)
     dtype: str = None             # float32 / bfloat16 / float16; None: bf16 on cuda, fp32 on cpu
     device: str = None            # None: cuda if available, else cpu
     resume: bool = False
@@ -104,6 +118,8 @@ class TrainConfig:
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
     vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: keep all)
     graph: bool = True            # CUDA: replay each step from one captured graph where it can
+    report_process: bool = False  # the before/after report in a second process (report.py); None: where it
+                                  # pays (lean-train's choice; a spawned process imports the caller's __main__)
 
 
 # ---------------------------------------------------------------- setup
@@ -121,8 +137,12 @@ def resolve_model(model, dtype_name="float32") -> Path:
     """A model folder: a local folder as is, a .gguf converted once (cached), else a hub id."""
     p = Path(os.path.expanduser(str(model)))
     if p.suffix.lower() == ".gguf":
-        from .gguf import ensure_hf_folder
-        return ensure_hf_folder(p, dtype_name)
+        from .gguf import default_cache_dir, ensure_hf_folder
+        try:
+            return ensure_hf_folder(p, dtype_name)
+        except OSError as e:
+            raise TrainError(f"cannot write the converted model to {default_cache_dir(p, dtype_name)} "
+                             f"({os_error_text(e)}): set XDG_CACHE_HOME to a folder you can write") from e
     return resolve_model_dir(model)
 
 
@@ -130,7 +150,7 @@ def build_data(cfg, tok):
     """(train docs, held-out docs, stats) from cfg.data."""
     stats = {}
     docs = tokenize_records(load_records(cfg.data), tok, max_len=cfg.max_tokens, stats=stats)
-    train_docs, heldout = split_heldout(docs, cfg.heldout_fraction, seed=cfg.seed)
+    train_docs, heldout = split_heldout(docs, cfg.heldout_fraction, seed=cfg.seed, max_tokens=cfg.heldout_tokens)
     if not train_docs:
         raise TrainError(f"{cfg.data}: no training document left after holding out "
                          f"{cfg.heldout_fraction:.0%}: add data or lower the held-out fraction")
@@ -164,44 +184,69 @@ class DataStream:
         return b
 
 
-def evaluate(model, lora, batches) -> tuple:
-    """(mean held-out loss, targets) over pre-packed batches; one host read."""
+def evaluate(model, lora, batches, show=False) -> tuple:
+    """(mean held-out loss, targets) over pre-packed batches; one host read. show: a progress bar."""
     sums, count = [], 0
-    for b in batches:
+    bar = Progress(0, len(batches), show, desc="held-out", leave=False)
+    for i, b in enumerate(batches):
         loss_sum, n = loss_eval(model, lora, b)
         sums.append(loss_sum)
         count += n
+        bar.update(f"held-out batch {i + 1}/{len(batches)}")
+    bar.close()
     return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
+
+
+def eval_budget(cfg, device) -> int:
+    """Tokens per held-out batch: max_tokens on a GPU (a forward fits where the step does); on the
+    CPU the whole capped held-out set in one batch (the interpreter's cost is per launch, not per
+    token: one forward instead of several)."""
+    return cfg.max_tokens if device.startswith("cuda") else max(cfg.max_tokens, cfg.heldout_tokens)
 
 
 # ---------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig) -> dict:
     """Run the configured LoRA training; returns the final metrics (see the module docstring)."""
+    check_config(cfg)  # every setting, before anything loads or is written
+    with RunLock(cfg.out_dir):  # one owner per run folder: a second run is refused, naming this PID
+        out = Path(cfg.out_dir)
+        try:
+            return _train(cfg, out)
+        except OSError as e:  # the run's files (or a cache): name the path and the fix
+            raise TrainError(f"{os_error_text(e)}; {kept(out)}") from e
+
+
+def os_error_text(e: OSError) -> str:
+    """'path: what went wrong: the fix' for an OSError on a file the run reads or writes."""
+    import errno
+
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f) or "a file of the run"
+    fix = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota)",
+           errno.EACCES: "fix its permissions or use another path", errno.EPERM: "fix its permissions or use another path",
+           errno.EROFS: "the disk is read-only: use another path", errno.ENOTDIR: "a file is in the way of a folder: move it",
+           errno.EISDIR: "a folder is in the way of a file: move it", errno.EEXIST: "something is in the way: move it"}
+    return f"{where}: {e.strerror or e}: {fix.get(e.errno, 'check the path')}"
+
+
+def _train(cfg, out) -> dict:
     device, dtype_name, dtype = resolve_device_dtype(cfg)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     earlier = earlier_run(cfg)  # every check before the weights load: a mistake fails fast
-    model_dir = resolve_model(cfg.model, dtype_name)
-    tok = Tokenizer.from_dir(model_dir)
-    train_docs, heldout, _ = build_data(cfg, tok)
-    fingerprint = data_fingerprint(train_docs)
-    resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
+    say = print if cfg.progress else (lambda *a, **k: None)
+    done = finished_step(out, cfg) if cfg.resume else None
+    if done is not None and (out / "adapter").is_dir():  # nothing left to do (--resume --merge merges it)
+        say(f"lean-train: the run in {out} finished at step {done}; its adapter is {out / 'adapter'}", flush=True)
+        return {"step": done, "loss": None, "eval_loss": None, "eval_loss_before": None, "tokens": 0,
+                "seconds": 0.0, "finished": True, "adapter": str(out / "adapter")}
     try:
-        model = load_model(model_dir, dtype=dtype, device=device)
-        vocab = model.config.vocab
-        eval_batches = [pack(b, cfg.max_tokens, device=device, vocab=vocab)
-                        for b in pack_batches(heldout, cfg.max_tokens, shuffle=False)] if heldout else []
-        lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
-                         seed=cfg.seed)
-        if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
-            lora.base_model_name = str(cfg.model)        # stays an id, not this machine's cache folder
-        opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
-    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
-        where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
-        raise TrainError(f"out of {where} memory loading {model_dir} in {dtype_name} on {device} ({e}): "
-                         "the model does not fit; use a smaller model, bfloat16 (--dtype), or a GPU with "
-                         "more memory") from e
+        loaded = _load(cfg, device, dtype_name, dtype)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"interrupted while loading, before anything was written to {out}: run the "
+                                "same command again") from None
+    model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches = loaded
+    vocab = model.config.vocab
     plan = None
     if cfg.vram_budget is not None:
         plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
@@ -213,31 +258,130 @@ def train(cfg: TrainConfig) -> dict:
         st = restore_checkpoint(*resume, lora, opt)
         step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
-    say = print if cfg.progress else (lambda *a, **k: None)
+    held = sum(len(d[0]) for d in heldout)
     say(f"lean-train: {model.config.arch} from {model_dir} on {device} ({dtype_name}); "
-        f"{len(train_docs)} training documents, {len(heldout)} held out; LoRA r={cfg.r} on "
-        f"{', '.join(lora.targets)} ({lora.params.numel():,} parameters)", flush=True)
+        f"{len(train_docs)} training documents, {len(heldout)} held out ({held:,} tokens, at most "
+        f"--heldout-tokens {cfg.heldout_tokens:,}); LoRA r={cfg.r} on {', '.join(lora.targets)} "
+        f"({lora.params.numel():,} parameters)", flush=True)
+    beside = report_in_process(cfg, device, model)  # the report on a second core (report.py)
+    jobs = []
     with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
         try:
-            fresh = resume is None  # a resumed run logged its "before" records already
-            before = _sample(cfg, model, lora, tok, metrics, step, "before", say) if fresh else None
+            before = None
+            # the untrained model's report, once: a run resumed at step 0 may not have logged it
+            want = {"eval": bool(eval_batches), "sample": cfg.sample_tokens > 0} if step == 0 else {}
+            want = {k: v and (k, 0) not in metrics.kept for k, v in want.items()}
+            if any(want.values()):
+                job = None
+                if beside:
+                    job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device,
+                                                       heldout=heldout if want["eval"] else None,
+                                                       tokens=cfg.sample_tokens if want["sample"] else 0))
+                    jobs.append(job)
+                before = Before(cfg, model, lora, tok, eval_batches if want["eval"] else [], metrics, job,
+                                sample=want["sample"])
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
-                           fingerprint, resumed=not fresh)
-            if result["eval_loss_before"] is not None:
-                say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
-            result["sample_before"] = before
-            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, result["step"], "after", say)
+                           fingerprint, before)
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
+        except KeyboardInterrupt as e:
+            if e.args:  # the loop's own message
+                raise
+            raise KeyboardInterrupt(f"interrupted before step {step + 1} was trained: {kept(out)}") from None
+        finally:
+            for job in jobs:
+                job.close()
+        step = result["step"]
+        try:
+            job = None
+            if beside and cfg.sample_tokens > 0:  # the adapter's sample beside the final evaluation
+                job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device, adapter=out / "adapter"))
+                jobs.append(job)
+            if eval_batches:
+                result["eval_loss"], n = evaluate(model, lora, eval_batches, show=cfg.progress)
+                metrics.log({"kind": "eval", "step": step, "loss": result["eval_loss"], "targets": n})
+            if result["eval_loss_before"] is not None:
+                say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
+            result["sample_before"] = before.text if before is not None else None
+            text = job.result()["sample"] if job is not None else None
+            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, step, "after", say, text)
+        except torch.cuda.OutOfMemoryError as e:
+            raise _oom_error(cfg, e) from e
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"interrupted after training, in the final evaluation or sample: the adapter "
+                                    f"of step {step} is saved in {out / 'adapter'} (the run is complete)") from None
+        finally:
+            for job in jobs:
+                job.close()
     result["adapter"] = str(out / "adapter")
     return result
 
 
-def _sample(cfg, model, lora, tok, metrics, step, when, say):
-    """The greedy answer to cfg.sample_prompt, printed and logged; None when samples are off."""
+def _report_spec(cfg, model_dir, dtype_name, device, heldout=None, adapter=None, tokens=None) -> dict:
+    """What the report process needs (report.py): the untrained model's report, or the adapter's sample."""
+    return {"model_dir": str(model_dir), "dtype": dtype_name, "adapter": str(adapter) if adapter else None,
+            "lora": dict(r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout, seed=cfg.seed),
+            "heldout": heldout, "budget": eval_budget(cfg, device), "prompt": cfg.sample_prompt,
+            "tokens": cfg.sample_tokens if tokens is None else tokens}
+
+
+class Before:
+    """The untrained model's held-out loss and sample, logged and printed once: computed here
+    before the first step, or (job: a ReportJob beside the training) taken after the first step's
+    compute, before its log line, so the records keep their order."""
+
+    def __init__(self, cfg, model, lora, tok, eval_batches, metrics, job=None, sample=True):
+        self.cfg, self.model, self.lora, self.tok, self.eval_batches = cfg, model, lora, tok, eval_batches
+        self.metrics, self.job, self.text, self.sample = metrics, job, None, sample
+
+    def report(self, say):
+        """Log and print the report; returns the held-out loss (None without a held-out set)."""
+        cfg, got = self.cfg, self.job.result() if self.job is not None else None
+        if self.sample:
+            text = got["sample"] if got else None
+            self.text = _sample(cfg, self.model, self.lora, self.tok, self.metrics, 0, "before", say, text)
+        if got:
+            ev = got["eval"]
+        else:
+            ev = evaluate(self.model, self.lora, self.eval_batches, show=cfg.progress) if self.eval_batches else None
+        if ev is None:
+            return None
+        self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
+        say(f"held-out loss before training: {ev[0]:.4f} ({ev[1]} target tokens)", flush=True)
+        return ev[0]
+
+
+def _load(cfg, device, dtype_name, dtype):
+    """Model folder, tokenizer, documents, checkpoint (checked), weights, LoRA, AdamW, held-out batches."""
+    model_dir = resolve_model(cfg.model, dtype_name)
+    tok = Tokenizer.from_dir(model_dir)
+    train_docs, heldout, _ = build_data(cfg, tok)
+    fingerprint = data_fingerprint(train_docs)
+    resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
+    try:
+        model = load_model(model_dir, dtype=dtype, device=device)
+        eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
+                        for b in pack_batches(heldout, eval_budget(cfg, device), shuffle=False)] if heldout else []
+        lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
+                         seed=cfg.seed)
+        if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
+            lora.base_model_name = str(cfg.model)        # stays an id, not this machine's cache folder
+        opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or None)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+        where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
+        raise TrainError(f"out of {where} memory loading {model_dir} in {dtype_name} on {device} ({e}): "
+                         "the model does not fit; use a smaller model, bfloat16 (--dtype), or a GPU with "
+                         "more memory") from e
+    return model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches
+
+
+def _sample(cfg, model, lora, tok, metrics, step, when, say, text=None):
+    """The greedy answer to cfg.sample_prompt (text: computed by the report process), printed and
+    logged; None when samples are off."""
     if cfg.sample_tokens <= 0:
         return None
-    text = sample(model, lora, tok, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)
+    if text is None:
+        text = sample(model, lora, tok, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens)
     metrics.log({"kind": "sample", "step": step, "when": when, "prompt": cfg.sample_prompt, "text": text})
     say(f"sample {when} training: {cfg.sample_prompt!r} -> {text!r}", flush=True)
     return text
@@ -248,11 +392,11 @@ def _targets(targets):
 
 
 def _oom_error(cfg, e, saved=None):
-    kept = (f"; the run so far is saved in {saved}: continue with the same command plus --resume once "
-            "it fits (--max-tokens must stay; use --vram-budget)" if saved else "")
+    so_far = (f"; the run so far is saved in {saved}: continue with the same command plus --resume once "
+              "it fits (--max-tokens must stay; use --vram-budget)" if saved else "")
     return TrainError(f"out of GPU memory at max_tokens={cfg.max_tokens} ({e}): lower --max-tokens (raise "
                       "--grad-accum to keep the tokens per step), or set --vram-budget GiB to recompute/offload "
-                      f"activations{kept}")
+                      f"activations{so_far}")
 
 
 GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs eagerly)
@@ -282,16 +426,13 @@ def _check_finite(out, step, lr, **values):
 
 
 def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None,
-          resumed=False):
+          before=None):
     out = Path(cfg.out_dir)
     graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
-    if eval_batches and step == 0 and not resumed:  # resumed at step 0: logged before the interrupt
-        eval_loss, n = evaluate(model, lora, eval_batches)
-        eval_before = eval_loss
-        metrics.log({"kind": "eval", "step": 0, "loss": eval_loss, "targets": n})
-        if cfg.progress:
-            print(f"held-out loss before training: {eval_loss:.4f} ({n} target tokens)", flush=True)
+    say = print if cfg.progress else (lambda *a, **k: None)
+    if before is not None and before.job is None:  # computed here, before the first step
+        eval_loss = eval_before = before.report(say)
     progress = Progress(step, cfg.steps, cfg.progress)
     t_start, done_at_start, loss = time.time(), step, None
     tokens_total = 0
@@ -330,6 +471,9 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             _check_finite(out, step + 1, lr, loss=loss, grad_norm=grad_norm)
             # checked: the step counts as done (an interrupt from here on saves it)
             step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
+            if before is not None and before.job is not None:  # computed beside step 1
+                eval_before = before.report(lambda line, **k: progress.write(line))
+                before.job = None
             dt = time.time() - t0
             n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
                         else sum(b.n_tokens for b in batches))
@@ -341,7 +485,7 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             mem = f" mem {torch.cuda.max_memory_allocated() / 2**30:.2f}GiB" if device.startswith("cuda") else ""
             progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
-                eval_loss, n = evaluate(model, lora, eval_batches)
+                eval_loss, n = evaluate(model, lora, eval_batches, show=cfg.progress)
                 metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
             if cfg.save_every and step % cfg.save_every == 0:
@@ -358,17 +502,29 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
     except KeyboardInterrupt:
         progress.close()
         if in_update:
-            raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}: the previous "
-                                    f"checkpoint in {out / CHECKPOINT} is kept; resume with --resume") from None
-        save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
-        raise KeyboardInterrupt(f"interrupted after step {step}: checkpoint saved in {out / CHECKPOINT}; "
-                                "continue with the same command plus --resume") from None
+            raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}, which cannot be saved: "
+                                    f"{kept(out)}") from None
+        raise _save_interrupted(out, lora, opt, run_state(cfg, step, *pos, fingerprint),
+                                f"interrupted after step {step}") from None
     progress.close()
-    if cfg.save_every:
-        save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
-    lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
-    if eval_batches:
-        eval_loss, n = evaluate(model, lora, eval_batches)
-        metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+    try:
+        if cfg.save_every:
+            save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
+        lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
+    except KeyboardInterrupt:
+        raise _save_interrupted(out, lora, opt, run_state(cfg, step, *pos, fingerprint),
+                                f"interrupted after the last step ({step}), before the adapter was written") from None
     return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}
+
+
+def _save_interrupted(out, lora, opt, state, what) -> KeyboardInterrupt:
+    """The checkpoint of a Ctrl-C saved; the KeyboardInterrupt to raise says what is saved and what
+    to run next (a second Ctrl-C during the save leaves the previous checkpoint, and says so)."""
+    try:
+        save_checkpoint(out, lora, opt, state)
+    except KeyboardInterrupt:
+        return KeyboardInterrupt(f"{what}, and again while its checkpoint was written: the checkpoint of step "
+                                 f"{state['step']} was not saved; {kept(out)}")
+    return KeyboardInterrupt(f"{what}: checkpoint of step {state['step']} saved in {out / CHECKPOINT}; continue "
+                             "with the same command plus --resume")

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sample-prompt", default=d.sample_prompt, help="prompt of the greedy sample before/after training")
     a("--sample-tokens", type=int, default=None, field="sample_tokens", help="new tokens per sample")
     a("--vram-budget", type=float, field="vram_budget", help="GiB the step may use: layers are recomputed or "
-      "offloaded to pinned host memory to fit (the plan and predicted peak are printed first)")
+      "offloaded to pinned host memory to fit (the plan and predicted peak are printed first; default: the "
+      "memory the GPU has free when the run starts, which plans only when a step would not fit)")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--no-graph", action="store_true", help="CUDA: run every step eagerly instead of replaying one captured "
       "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
@@ -162,6 +163,7 @@ def merge_run(cfg, adapter_dir):
 def main(argv=None) -> int:
     """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C
     (one line: what is saved and what to run next)."""
+    from .kernels.arch import UnsupportedGPU
     from .runtime.checkpoint import RunLock
     from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         print(f"lean-train: {e or 'interrupted: nothing was saved by this run; run the same command again'}",
               file=sys.stderr)
         return 130
-    except (ValueError, TrainError, ModelLoadError) as e:  # DataError, LoRAError, ConfigError, GGUFError, ...
+    except (ValueError, TrainError, ModelLoadError, UnsupportedGPU) as e:  # DataError, LoRAError, ConfigError, ...
         print(f"lean-train: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file train() does not own (the merge's, a cache): name it

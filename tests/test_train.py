@@ -445,6 +445,35 @@ def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
     assert _metrics(T.Path(planned.out_dir), "train") == _metrics(T.Path(plain.out_dir), "train")
 
 
+def test_default_budget_is_the_free_gpu_memory(setup, capsys):
+    """Without --vram-budget the budget is the memory the GPU had free at the start (default_plan,
+    fed a `free` figure here): no plan when the all-keep step fits it, the planner's plan (not all
+    keep) with a line saying why when it does not; an explicit --vram-budget leaves it alone."""
+    from lean.runtime.plan import KEEP, SLACK
+    from lean.runtime.planner import plan_for
+
+    cfg = _cfg(setup, "default-budget")
+    model = T.load_model(cfg.model, dtype=T.torch.float32, device="cpu")
+    lora = T.LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
+    keep_peak = plan_for(model, lora, cfg.max_tokens).memory.peak
+    assert T.default_plan(cfg, model, lora, free=None) is None  # the CPU: nothing to plan
+    assert T.default_plan(cfg, model, lora, free=keep_peak + SLACK) is None
+    assert "planning" not in capsys.readouterr().out
+    plan = T.default_plan(cfg, model, lora, free=keep_peak + SLACK - 1)
+    assert plan is not None and any(m != KEEP for m in plan.modes)
+    assert "more than the" in capsys.readouterr().out
+    explicit = _cfg(setup, "default-budget", vram_budget=1.0)
+    assert T.default_plan(explicit, model, lora, free=1) is None  # --vram-budget given: train() plans with it
+
+
+def test_first_line_names_the_device(setup, capsys):
+    """lean-train's first line: the GPU's arch row and path, or the CPU interpreter."""
+    T.train(_cfg(setup, "first-line", steps=1, progress=True))
+    first = capsys.readouterr().out.splitlines()[0]
+    want = "SMs" if T.torch.cuda.is_available() else "CPU (Triton interpreter)"
+    assert first.startswith("lean-train: ") and want in first, first
+
+
 def _count_replays(monkeypatch, what):
     """A list that gets what(graph) at every StepGraph replay from now on."""
     calls, replay = [], T.StepGraph.step

@@ -49,7 +49,6 @@ from ..kernels.rope import rope_bwd, rope_fwd
 from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
 
 
-
 @contextmanager
 def masked_exp2_quiet():
     """The attention backward recomputes p = exp2(s - lse) over whole blocks; the causally masked
@@ -61,6 +60,7 @@ def masked_exp2_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="overflow encountered in exp2", category=RuntimeWarning)
         yield
+
 
 class Ctx(NamedTuple):
     """What every layer reads: the batch descriptor and per-step constants."""

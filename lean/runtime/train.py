@@ -80,6 +80,8 @@ from .lora import LoRA
 from .observe import Metrics, Progress, sample
 from .graph import StepGraph
 from .optim import AdamW
+from ..kernels.arch import describe
+from .plan import SLACK
 from .planner import format_plan, plan_for
 from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
@@ -116,7 +118,7 @@ class TrainConfig:
     sample_prompt: str = "What is your name?"  # greedy sample before and after training
     sample_tokens: int = 32       # new tokens per sample (0: no samples)
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
-    vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: keep all)
+    vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: the GPU's free memory)
     graph: bool = True            # CUDA: replay each step from one captured graph where it can
     report_process: bool = False  # the before/after report in a second process (report.py); None: where it
                                   # pays (lean-train's choice; a spawned process imports the caller's __main__)
@@ -235,6 +237,8 @@ def _train(cfg, out) -> dict:
     np.random.seed(cfg.seed)
     earlier = earlier_run(cfg)  # every check before the weights load: a mistake fails fast
     say = print if cfg.progress else (lambda *a, **k: None)
+    say(f"lean-train: {describe(torch.device(device))}", flush=True)  # a GPU below sm_80 is refused here
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
     done = finished_step(out, cfg) if cfg.resume else None
     if done is not None and (out / "adapter").is_dir():  # nothing left to do (--resume --merge merges it)
         say(f"lean-train: the run in {out} finished at step {done}; its adapter is {out / 'adapter'}", flush=True)
@@ -247,11 +251,11 @@ def _train(cfg, out) -> dict:
                                 "same command again") from None
     model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches = loaded
     vocab = model.config.vocab
-    plan = None
+    plan = default_plan(cfg, model, lora, free)
     if cfg.vram_budget is not None:
         plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
-        if cfg.progress:
-            print(format_plan(plan), flush=True)
+    if plan is not None and cfg.progress:
+        print(format_plan(plan), flush=True)
     out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
     step, epoch, index = 0, 0, 0
     if resume is not None:
@@ -349,6 +353,22 @@ class Before:
         self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
         say(f"held-out loss before training: {ev[0]:.4f} ({ev[1]} target tokens)", flush=True)
         return ev[0]
+
+
+def default_plan(cfg, model, lora, free):
+    """Without --vram-budget on a GPU the budget is the memory the card had free when the run started
+    (`free` bytes, before the weights loaded): None (keep every activation, no planning) when a step
+    fits it, else the planner's plan for it, so that a step too big for the card recomputes and
+    offloads instead of running out of memory."""
+    if cfg.vram_budget is not None or free is None:
+        return None
+    keep = plan_for(model, lora, cfg.max_tokens)  # no budget: the all-keep plan, priced, no measurement
+    if keep.memory.peak + SLACK <= free:
+        return None
+    print(f"lean-train: a step of --max-tokens {cfg.max_tokens} needs {keep.memory.peak / 2**30:.2f} GiB, more "
+          f"than the {free / 2**30:.2f} GiB this GPU had free: planning for that budget (--vram-budget sets "
+          "another)", flush=True)
+    return plan_for(model, lora, cfg.max_tokens, budget_bytes=free)
 
 
 def _load(cfg, device, dtype_name, dtype):

@@ -1,0 +1,309 @@
+"""Grouped expert GEMM of a MoE MLP: every sorted slot's row times its own expert's weight, forward
+(gmm) and weight gradient (gmm_wgrad), routing read from the device.
+
+Shape legend: P rows (slots, sorted by expert), E experts, O output columns, Kd the reduced dim,
+X rows of x (N tokens when gathered, else P), R LoRA rank, M and Kd the two dims of a weight grad.
+
+    offsets (E+1,) int32, on the device: rows offsets[e] .. offsets[e+1]-1 belong to expert e
+            (sorted, offsets[0] = 0, offsets[E] = P; an expert may own no row)
+    gmm:       y[p] = x[r(p)] @ w[e(p)]^T  [+ scale * xa[p] @ b[e(p)]^T]  [+ y[p]]
+               r(p) = gather[p] // gather_div, else p; fp32 accumulation, one rounding to y's dtype
+      y  (P, O)      bf16 / fp16 / fp32, unit last-dim stride
+      x  (X, Kd)     bf16 / fp16 / fp32, any strides
+      w  (E, O, Kd)  x's dtype, a unit stride in one of its last two dims (w.transpose(1, 2) of an
+                     (E, Kd, O) weight is taken without a copy)
+      gather (P,) int32; lora = (xa (P, R), b (E, O, R) strided, scale: float), x's dtype
+    gmm_wgrad: dw[e] += alpha * sum_p (s_p * a[ra(p)])^T b[rb(p)]  over the rows p of expert e, in order
+               ra / rb = gather_a / gather_b [p] // gather_div, else p; s_p = vec[index[p]], else 1
+      dw (E, M, Kd) fp32 contiguous; a (rows, M), b (rows, Kd) one dtype; scale = (vec (P,), index (P,) int32)
+      s_p * a is rounded to a's dtype before the product (as HF rounds the routing-weighted output).
+
+Uses (Qwen3-MoE, /work/moe-plan.md; n2 (N, C), order the slot order, K top-k):
+    gate/up  gmm(h_s, n2, Wgu, off, gather=order, gather_div=K, lora=(xa_s, B, s))  Wgu (E, 2F, C)
+    LoRA xa  gmm(xa_s, n2, A, off, gather=order, gather_div=K)        A (E, R, C): O = R, BLOCK_N 16
+    down     gmm(y_s, act_s, Wd, off, lora=(xad_s, Bd, s))             Wd (E, C, F)
+    dX       gmm(dX_s, dh_s, Wgu.transpose(1, 2), off, lora=(dhb_s, A.transpose(1, 2), s))
+    G        gmm(G_s, g, Wd.transpose(1, 2), off, gather=order, gather_div=K)
+    dB       gmm_wgrad(dB, dh_s, xa_s, off, alpha=s)                   M = 2F, Kd = R
+    dA       gmm_wgrad(dA, dhb_s, n2, off, gather_b=order, gather_div=K, alpha=s)   M = R, Kd = C
+    dBd      gmm_wgrad(dBd, g, xad_s, off, gather_a=order, gather_div=K, scale=(w, order), alpha=s)
+
+gmm's grid: an upper bound of the M-tiles from P and E alone, (P + min(E, P) * (BLOCK_M - 1)) //
+BLOCK_M (<= cdiv(P, BLOCK_M) + E), times the N-tiles, in gemm's grouped order. Each program loads
+offsets, counts every expert's tiles and their prefix in registers, finds the expert and rows it
+owns, and exits when past the last tile: no host read, so a step captures in a CUDA graph.
+gmm_wgrad: grid (tiles of dw[e], E); a program owns one (BLOCK_M, BLOCK_K) tile of one expert and
+walks that expert's rows BLOCK_T at a time. No atomics, no split: dw is bit-identical from run
+to run; an expert with no row leaves dw[e] untouched.
+
+Supported: E <= 1024, any P, O, Kd, R, M >= 0; bf16/fp16 on the tensor cores with fp32
+accumulation, fp32 with exact IEEE products (input_precision="ieee"), the correctness path.
+Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) under the CPU
+interpreter, bf16 and Qwen3-30B-A3B-sized shapes on a GPU; P 1..37, odd O / Kd, E 1, 3, 8, empty
+experts (first, last, middle), all rows on one expert, gather_div 1/2/4, transposed w, LoRA,
+accumulate, guard rows and columns around y and dw, every gather/scale combination of gmm_wgrad,
+bitwise repeatability.
+Caution:
+  - y must not alias x, xa, w or b. The kernels trust offsets (sorted, offsets[E] = P) and the
+    gathers (every r(p) < X): nothing on the device checks them.
+  - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows.
+  - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
+  - configs are untuned (sm90 / sm80 / sm86 tiers chosen to fit, not timed).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from lean.kernels._check import check
+from lean.kernels.arch import arch
+from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile, interpret_config, interpret_big, interpreting
+
+MAX_E = 1024
+
+
+@triton.jit
+def _expert_of_tile(off_ptr, E, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, end row, total M-tiles) of M-tile pid_m: experts' tiles laid end to end."""
+    ar = tl.arange(0, BLOCK_E)
+    lo = tl.load(off_ptr + ar, mask=ar < E, other=0)
+    hi = tl.load(off_ptr + ar + 1, mask=ar < E, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M              # 0 for an empty expert and past E
+    ends = tl.cumsum(tiles, 0)                              # inclusive prefix
+    e = tl.sum((ends <= pid_m).to(tl.int32), 0)             # first expert whose tiles reach past pid_m
+    mine = ar == e
+    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), 0)
+    row0 = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    return e, row0, tl.sum(tl.where(mine, hi, 0), 0), tl.sum(tiles, 0)
+
+
+@triton.jit
+def _gmm_kernel(
+    y_ptr,                                  # (P, O) out, row stride stride_ym, unit col stride
+    x_ptr, w_ptr, off_ptr, gather_ptr,      # x (X, Kd), w (E, O, Kd) strided; offsets (E+1,); gather (P,)
+    xa_ptr, b_ptr,                          # LoRA: xa (P, R), b (E, O, R) strided
+    O, Kd, R, E, tiles_m, gather_div, scale,
+    stride_ym, stride_xm, stride_xk, stride_we, stride_wo, stride_wk,
+    stride_am, stride_ar, stride_be, stride_bo, stride_br,
+    GATHER: tl.constexpr, LORA: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, O, BLOCK_M, BLOCK_N, GROUP_M)
+    e, row0, row_end, total = _expert_of_tile(off_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    if pid_m >= total:                      # past the last tile of the last expert
+        return
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < row_end
+    n_ok = rn < O
+    if GATHER:                              # the prologue gather: row r(p) of x
+        rx = tl.load(gather_ptr + rm, mask=m_ok, other=0) // gather_div
+    else:
+        rx = rm
+    e64 = e.to(tl.int64)
+    x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = w_ptr + e64 * stride_we + rk[:, None] * stride_wk + rn.to(tl.int64)[None, :] * stride_wo
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Kd, BLOCK_K):
+        k_ok = rk < Kd - k0
+        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)    # w[e]^T tile (BK, BN)
+        acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if LORA:                                # + scale * xa[p] b[e]^T, its own fp32 sum
+        rr = tl.arange(0, BLOCK_R)
+        a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
+        b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
+        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            r_ok = rr < R - r0
+            at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            lacc = tl.dot(at, bt, lacc, input_precision=PRECISION)
+            a_ptrs += BLOCK_R * stride_ar
+            b_ptrs += BLOCK_R * stride_br
+        acc += scale * lacc
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gmm_wgrad_kernel(
+    dw_ptr,                                 # (E, M, Kd) fp32 contiguous, accumulated
+    a_ptr, b_ptr, off_ptr,                  # a (rows, M), b (rows, Kd) strided; offsets (E+1,)
+    ga_ptr, gb_ptr, svec_ptr, sidx_ptr,     # gathers (P,) int32; scale vec (P,), index (P,) int32
+    M, Kd, gather_div, alpha,
+    stride_at, stride_am, stride_bt, stride_bk,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+):
+    e = tl.program_id(1)
+    tiles_k = tl.cdiv(Kd, BLOCK_K)
+    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    k_ok = rk < Kd
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):   # the expert's rows in order: a fixed summation order
+        rt = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rt < end
+        ra = rt
+        rb = rt
+        if GATHER_A:
+            ra = tl.load(ga_ptr + rt, mask=t_ok, other=0) // gather_div
+        if GATHER_B:
+            rb = tl.load(gb_ptr + rt, mask=t_ok, other=0) // gather_div
+        at = tl.load(a_ptr + ra.to(tl.int64)[None, :] * stride_at + rm[:, None] * stride_am,
+                     mask=m_ok[:, None] & t_ok[None, :], other=0.0)             # a^T tile (BM, BT)
+        if SCALE:                           # s_p * a[ra(p)], rounded to a's dtype
+            s = tl.load(svec_ptr + tl.load(sidx_ptr + rt, mask=t_ok, other=0), mask=t_ok, other=0.0)
+            at = (at.to(tl.float32) * s.to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
+        bt = tl.load(b_ptr + rb.to(tl.int64)[:, None] * stride_bt + rk[None, :] * stride_bk,
+                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)             # (BT, BK)
+        acc = tl.dot(at, bt, acc, input_precision=PRECISION)
+    dw_ptrs = dw_ptr + e.to(tl.int64) * M * Kd + rm.to(tl.int64)[:, None] * Kd + rk[None, :]
+    mask = m_ok[:, None] & k_ok[None, :] & (end > start)                        # no row: dw[e] untouched
+    dw = tl.load(dw_ptrs, mask=mask, other=0.0)
+    tl.store(dw_ptrs, dw + alpha * acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 16-bit inputs, per
+# arch tier; untuned. Shared memory by the pipeline reckoning stages * (BM*BK + BK*BN) * 2 B:
+# sm90 / sm80 128x128x64 s4: 131,072 B (232,448 / 166,912 B available); sm86 s3: 98,304 B even
+# counting every stage (mma.sync keeps stages - 1 buffers: 65,536 B) under 101,376 B. gmm narrows
+# BLOCK_N to the output (LoRA xa: O = R, down to 16); the LoRA loop's tiles (BLOCK_R <= 64) are
+# smaller than the main loop's. gmm_wgrad's (BLOCK_M, BLOCK_K) tile narrows the rank side (16..64)
+# and reduces BLOCK_T = BLOCK_K rows a step: the same budget or less.
+TILES = {
+    "sm90": (128, 128, 64, 8, 4),
+    "sm80": (128, 128, 64, 8, 4),
+    "sm86": (128, 128, 64, 8, 3),
+}
+_FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
+_INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
+
+
+def _pow2(n, lo, hi):
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _config(rows, O, Kd, dtype, device):
+    """gmm's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); rows: mean rows per expert."""
+    if interpreting():  # few, large programs (the interpreter runs them one by one), as gemm's chooser
+        return interpret_config(rows, O, Kd) if interpret_big(rows, O, Kd) else _INTERPRET
+    bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else TILES[arch(device).tier]
+    return bm, _pow2(O, 16, bn), bk, warps, stages
+
+
+def _wgrad_config(M, Kd, dtype, device):
+    """gmm_wgrad's (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages): the rank side narrowed."""
+    if interpreting():
+        if not interpret_big(M, Kd, 1 << 10):
+            return _pow2(M, 16, 32), _pow2(Kd, 16, 32), 16, 4, 1
+        bm = _pow2(M, 16, 2048)
+        bk = _pow2(Kd, 16, max(16, 2**20 // bm))
+        return bm, bk, _pow2(2**18 // max(bm, bk), 16, 256), 4, 1
+    big, _, bt, warps, stages = _FP32 if dtype == torch.float32 else TILES[arch(device).tier]
+    return _pow2(M, 16, big), _pow2(Kd, 16, big), bt, warps, stages
+
+
+def _check_unit(t, name):
+    if t.stride(-1) != 1 and t.stride(-2) != 1 and min(t.shape[-2:]) > 1:
+        raise ValueError(f"{name}: expected a unit stride in one of the last two dims, got strides {t.stride()}")
+
+
+def _offsets(offsets, E, device):
+    check(offsets, "offsets", shape=(E + 1,), dtype=torch.int32, device=device, contiguous=True)
+    if not 1 <= E <= MAX_E:
+        raise ValueError(f"offsets: expected 1..{MAX_E} experts, got {E}")
+
+
+def _rows(t, name, P, device):
+    if t is not None:
+        check(t, name, shape=(P,), dtype=torch.int32, device=device, contiguous=True)
+
+
+def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, accumulate=False):
+    """y (P, O) = x[r(p)] (X, Kd) @ w[e(p)] (E, O, Kd)^T [+ scale * xa b[e(p)]^T] [+ y]; see the module docstring."""
+    check(x, "x", shape=(None, None), dtype=FLOATS)
+    X, Kd = x.shape
+    check(w, "w", shape=(None, None, Kd), dtype=x.dtype, device=x.device)
+    E, O = w.shape[:2]
+    _check_unit(w, "w")
+    check(y, "y", shape=(None, O), dtype=FLOATS, device=x.device, last_contiguous=True)
+    P = y.shape[0]
+    _offsets(offsets, E, x.device)
+    _rows(gather, "gather", P, x.device)
+    if gather is None and X != P:
+        raise ValueError(f"x: expected {P} rows (one per row of y, no gather), got {X}")
+    if int(gather_div) < 1:
+        raise ValueError(f"gather_div: expected >= 1, got {gather_div}")
+    xa = b = None
+    R, scale = 0, 0.0
+    if lora is not None:
+        xa, b, scale = lora
+        check(xa, "lora xa", shape=(P, None), dtype=x.dtype, device=x.device)
+        R = xa.shape[1]
+        check(b, "lora b", shape=(E, O, R), dtype=x.dtype, device=x.device)
+    if P == 0 or O == 0:
+        return
+    BM, BN, BK, warps, stages = _config(triton.cdiv(P, E), O, Kd, x.dtype, x.device)
+    if BK * max(x.stride(1), w.stride(2)) >= 2**31:
+        raise ValueError("gmm: K-stride too large for int32 pointer steps (call .contiguous())")
+    tiles_m = (P + min(E, P) * (BM - 1)) // BM  # >= sum_e cdiv(rows_e, BM): sum of floors <= floor of sum
+    BR = _pow2(R, 16, 64)
+    nul = y  # unused pointer slots
+    _gmm_kernel[(tiles_m * triton.cdiv(O, BN),)](
+        y, x, w, offsets, gather if gather is not None else offsets,
+        xa if xa is not None else nul, b if b is not None else nul,
+        O, Kd, R, E, tiles_m, int(gather_div), float(scale),
+        y.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        *(xa.stride() if xa is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
+        GATHER=gather is not None, LORA=lora is not None, ACCUMULATE=bool(accumulate),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, BLOCK_E=_pow2(E, 16, MAX_E), GROUP_M=GROUP_M,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+
+
+def gmm_wgrad(dw, a, b, offsets, *, gather_a=None, gather_b=None, gather_div=1, scale=None, alpha=1.0):
+    """dw (E, M, Kd) fp32 += alpha * sum over expert e's rows of (s_p a[ra(p)])^T b[rb(p)]; see the module docstring."""
+    check(a, "a", shape=(None, None), dtype=FLOATS)
+    M = a.shape[1]
+    check(b, "b", shape=(None, None), dtype=a.dtype, device=a.device)
+    Kd = b.shape[1]
+    check(dw, "dw", shape=(None, M, Kd), dtype=torch.float32, device=a.device, contiguous=True)
+    E = dw.shape[0]
+    _offsets(offsets, E, a.device)
+    lengths = [len(t) for t in (gather_a, gather_b) if t is not None]
+    lengths += [len(t) for t, g in ((a, gather_a), (b, gather_b)) if g is None]
+    P = lengths[0]
+    if any(n != P for n in lengths):
+        raise ValueError(f"gmm_wgrad: row counts disagree: gathers, then a and b where not gathered: {lengths}")
+    _rows(gather_a, "gather_a", P, a.device)
+    _rows(gather_b, "gather_b", P, a.device)
+    if int(gather_div) < 1:
+        raise ValueError(f"gather_div: expected >= 1, got {gather_div}")
+    vec = idx = None
+    if scale is not None:
+        vec, idx = scale
+        check(vec, "scale vec", shape=(None,), dtype=FLOATS, device=a.device, contiguous=True)
+        _rows(idx, "scale index", P, a.device)
+    if M == 0 or Kd == 0 or P == 0:
+        return
+    BM, BK, BT, warps, stages = _wgrad_config(M, Kd, a.dtype, a.device)
+    _gmm_wgrad_kernel[(triton.cdiv(M, BM) * triton.cdiv(Kd, BK), E)](
+        dw, a, b, offsets,
+        *(t if t is not None else offsets for t in (gather_a, gather_b)),
+        vec if vec is not None else dw, idx if idx is not None else offsets,
+        M, Kd, int(gather_div), float(alpha),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        GATHER_A=gather_a is not None, GATHER_B=gather_b is not None, SCALE=scale is not None,
+        BLOCK_M=BM, BLOCK_K=BK, BLOCK_T=BT, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)

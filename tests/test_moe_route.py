@@ -169,6 +169,11 @@ def test_aux_matches_hf(scale_tensor):
     aux_ref, grad_ref = moe_aux_ref(counts.double(), prob_sum.double(), L * N, E, scale)
     assert_close_rule(aux, aux_ref, name="aux vs reference")
     assert_close_rule(aux_grad, grad_ref, name="aux_grad")
+    loss, aux_grad2 = torch.tensor([1.5, 7.0], device=DEVICE), torch.empty(E, device=DEVICE)
+    moe_aux(aux, aux_grad2, counts, prob_sum, L * N, scale, alpha=2.5, loss=loss)  # the step's use
+    assert_close_rule(loss, torch.tensor([1.5, 7.0], dtype=torch.float64) + torch.tensor([2.5, 0.0]) * hf.item(),
+                      name="loss += alpha * aux")
+    assert_close_rule(aux_grad2, 2.5 * grad_ref, name="aux_grad with alpha")
     grads = torch.autograd.grad(scale * hf, leaves)
     for x, e, gref in zip(xs, experts, grads):
         dl = torch.empty_like(x)

@@ -184,18 +184,21 @@ def _route_bwd_kernel(
 
 @triton.jit
 def _moe_aux_kernel(
-    aux_ptr, aux_grad_ptr,                        # outputs: (1,) fp32, (E,) fp32
+    aux_ptr, aux_grad_ptr, loss_ptr,              # outputs: (1,) fp32, (E,) fp32, (2,) fp32 if LOSS (+=)
     counts_ptr, prob_sum_ptr, scale_ptr,          # inputs: (E,) fp32, (E,) fp32, (1,) fp32 if SCALE_PTR
-    rows, scale, E,
-    SCALE_PTR: tl.constexpr, BLOCK_E: tl.constexpr,
+    rows, scale, alpha, E,
+    SCALE_PTR: tl.constexpr, LOSS: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_E)
     f = tl.load(counts_ptr + cols, mask=cols < E, other=0.0) / rows        # HF's tokens_per_expert
     p = tl.load(prob_sum_ptr + cols, mask=cols < E, other=0.0) / rows      # router_prob_per_expert
-    tl.store(aux_ptr, tl.sum(f * p, axis=0) * E)
+    aux = tl.sum(f * p, axis=0) * E
+    tl.store(aux_ptr, aux)
+    if LOSS:
+        tl.store(loss_ptr, tl.load(loss_ptr) + alpha * aux)
     if SCALE_PTR:
         scale = tl.load(scale_ptr)
-    tl.store(aux_grad_ptr + cols, scale * E * f / rows, mask=cols < E)
+    tl.store(aux_grad_ptr + cols, alpha * scale * E * f / rows, mask=cols < E)
 
 
 def _rows_config(N, E):
@@ -274,10 +277,11 @@ def route_topk_bwd(dlogits, dweights, logits, experts, *, norm_topk, softmax_fir
     )
 
 
-def moe_aux(aux, aux_grad, counts, prob_sum, rows, scale):
+def moe_aux(aux, aux_grad, counts, prob_sum, rows, scale, *, alpha=1.0, loss=None):
     """aux (1,) fp32 = HF's load-balancing loss from counts and prob_sum (E,) fp32 summed over the
-    layers; aux_grad (E,) fp32 = d(scale * aux) / d probs. rows = L * N, a Python int; scale a
-    Python float or a (1,) fp32 tensor (read on the device). Returns nothing."""
+    layers; aux_grad (E,) fp32 = d(alpha * scale * aux) / d probs. rows = L * N, a Python int; scale a
+    Python float or a (1,) fp32 tensor (read on the device); alpha a Python float. loss (2,) fp32
+    or None: loss[0] += alpha * aux (the step's loss sum, lean/runtime/step.py). Returns nothing."""
     check(counts, "counts", shape=(None,), dtype=torch.float32, contiguous=True)
     E, dev = counts.shape[0], counts.device
     check(aux, "aux", shape=(1,), dtype=torch.float32, device=dev)
@@ -289,9 +293,11 @@ def moe_aux(aux, aux_grad, counts, prob_sum, rows, scale):
         raise ValueError(f"counts: E = {E} experts, supported 1 <= E <= {MAX_E}")
     if int(rows) < 1:
         raise ValueError(f"rows = {rows}: expected the number of routed rows (L * N >= 1)")
+    if loss is not None:
+        check(loss, "loss", shape=(2,), dtype=torch.float32, device=dev)
     tensor_scale = isinstance(scale, torch.Tensor)
     _moe_aux_kernel[(1,)](
-        aux, aux_grad, counts, prob_sum, scale if tensor_scale else aux,
-        float(rows), 0.0 if tensor_scale else float(scale), E,
-        SCALE_PTR=tensor_scale, BLOCK_E=triton.next_power_of_2(E), num_warps=4,
+        aux, aux_grad, loss if loss is not None else aux, counts, prob_sum, scale if tensor_scale else aux,
+        float(rows), 0.0 if tensor_scale else float(scale), float(alpha), E,
+        SCALE_PTR=tensor_scale, LOSS=loss is not None, BLOCK_E=triton.next_power_of_2(E), num_warps=4,
     )

@@ -5,6 +5,10 @@ Supported architectures (dense decoders with RMSNorm, RoPE, GQA attention and a 
   Qwen2ForCausalLM  bias on q/k/v (always, as in transformers), none on o
   Qwen3ForCausalLM  per-head RMSNorm on q and k over head_dim before RoPE; head_dim may differ
                     from hidden/heads
+  Qwen3MoeForCausalLM  Qwen3's attention; the MLP of layer i is a Mixture-of-Experts block (E experts
+                    of width moe_intermediate_size, top-k routing, lean/models/moe.py) unless i is in
+                    mlp_only_layers or (i + 1) % decoder_sparse_step != 0, where it is a dense SwiGLU
+                    MLP of width intermediate_size (as transformers' Qwen3MoeDecoderLayer decides)
 
 Both config dialects are read: transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
 (`rope_parameters`). Anything lean does not implement is refused with a message naming what is
@@ -16,8 +20,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -27,7 +33,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     hidden: int  # C
     n_layers: int  # L
     n_heads: int  # H
@@ -44,6 +50,17 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # rope_type and its parameters; {} = default
     max_position: int = 0
     hf_architecture: str = ""
+    # Mixture-of-Experts (Qwen3-MoE); n_experts 0 = a dense model
+    n_experts: int = 0  # E
+    top_k: int = 0  # K experts per token
+    moe_intermediate: int = 0  # F of one expert
+    norm_topk: bool = False  # renormalise the top-k probabilities to sum 1
+    moe_layers: tuple = ()  # indices of the layers whose MLP is the MoE block (the others are dense)
+    aux_loss_coef: float = 0.0  # router_aux_loss_coef, applied when output_router_logits (else 0.0)
+
+    def is_moe(self, layer):
+        """Whether layer `layer`'s MLP is the Mixture-of-Experts block."""
+        return layer in self.moe_layers
 
     @property
     def q_dim(self):
@@ -78,7 +95,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "?")
         _refuse(
             f"unsupported architecture {archs or model_type!r}: lean supports "
-            f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3)"
+            f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3, Qwen3-MoE)"
         )
     hidden = _int(cfg, "hidden_size")
     n_heads = _int(cfg, "num_attention_heads")
@@ -118,23 +135,49 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         _refuse("partial_rotary_factor != 1 is not supported")
 
     attention_bias = bool(cfg.get("attention_bias", False))
+    n_layers = _int(cfg, "num_hidden_layers")
+    moe = _moe_fields(cfg, n_layers) if arch == "qwen3_moe" else {}
     return ModelConfig(
         arch=arch,
         hidden=hidden,
-        n_layers=_int(cfg, "num_hidden_layers"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate=_int(cfg, "intermediate_size"),
+        intermediate=_int(cfg, "intermediate_size") if not moe else int(cfg.get("intermediate_size", 6144)),
         vocab=_int(cfg, "vocab_size"),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         # transformers 4.x omits the key when it equals PretrainedConfig's default (True).
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=True if arch == "qwen2" else attention_bias,
         o_bias=attention_bias if arch == "llama" else False,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position=int(cfg.get("max_position_embeddings", 0) or 0),
         hf_architecture=next(a for a in archs if a in ARCHITECTURES),
+        **moe,
     )
+
+
+def _moe_fields(cfg, n_layers):
+    """The Mixture-of-Experts fields of a Qwen3-MoE config.json, as transformers 5's
+    Qwen3MoeConfig and Qwen3MoeDecoderLayer read them (its defaults where a key is absent)."""
+    E = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))  # transformers 5 writes the second
+    K = int(cfg.get("num_experts_per_tok", 8))
+    F = int(cfg.get("moe_intermediate_size", 768))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = cfg.get("mlp_only_layers") or []
+    if E < 0 or (E > 0 and not 1 <= K <= E):
+        _refuse(f"num_experts_per_tok={K} with num_experts={E}: need 1 <= num_experts_per_tok <= num_experts")
+    if E > 256:
+        _refuse(f"num_experts={E}: lean's routing kernels hold one token's {E} router logits in one block; "
+                "at most 256 experts are supported")
+    if F < 1 or step < 1:
+        _refuse(f"moe_intermediate_size={F}, decoder_sparse_step={step}: both must be >= 1")
+    if any(not isinstance(i, int) or not 0 <= i < n_layers for i in dense):
+        _refuse(f"mlp_only_layers={dense!r}: expected layer indices in [0, {n_layers})")
+    layers = tuple(i for i in range(n_layers) if E > 0 and i not in dense and (i + 1) % step == 0)
+    coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0
+    return dict(n_experts=E, top_k=K, moe_intermediate=F, norm_topk=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=layers, aux_loss_coef=coef)

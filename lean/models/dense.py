@@ -1,4 +1,4 @@
-"""The dense decoder layer (Llama 3.x, SmolLM, Qwen2, Qwen3): forward and backward side by side.
+"""The decoder layer (Llama 3.x, SmolLM, Qwen2, Qwen3, Qwen3-MoE): forward and backward side by side.
 
 Shape legend: N tokens in the packed batch, C hidden, H/KVH heads, D head dim, F MLP hidden,
 R LoRA rank, Oq = H*D, Okv = KVH*D.
@@ -17,6 +17,9 @@ One layer, with s the residual stream entering it and d the previous layer's MLP
     act  = silu(n2 Wg^T) * (n2 Wu^T)
     m    = act Wd^T
     return (mid, m)                    the next layer's s and d
+
+A Mixture-of-Experts layer (w.moe: Qwen3-MoE) runs lean/models/moe.py's block from n2 in place of
+the gate/up/swiglu/down lines; everything else, attention included, is this file's.
 
 The backward reads the forward bottom-up. Accumulation rule: LoRA gradients and the residual
 stream gradient accumulate (+=); everything else is written (=). `g` enters as dL/d(mid + m) and
@@ -47,6 +50,7 @@ from ..kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
 from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
+from .moe import moe_backward, moe_backward_da, moe_forward
 
 
 @contextmanager
@@ -73,6 +77,7 @@ class Ctx(NamedTuple):
     lora_scale: float
     dropout: float
     seed: int  # dropout seed of this step; each projection derives its own
+    moe: object = None  # moe.MoeStep: the per-step expert counts and aux-loss buffers (MoE models)
 
 
 class Saved(NamedTuple):
@@ -93,6 +98,7 @@ class Saved(NamedTuple):
     rstd2: torch.Tensor  # (N,) fp32
     gate: torch.Tensor  # (N, F)
     up: torch.Tensor  # (N, F)
+    moe: object = None  # moe.MoeSaved of an MoE layer (whose gate and up are None)
 
 
 _TARGET_ID = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
@@ -209,6 +215,16 @@ def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
     mid, n2, rstd2 = new(N, C), new(N, C), new(N, dt=torch.float32)
     rmsnorm_fwd(n2, rstd2, x, w.post_norm, ctx.eps, residual=a, h=mid)
     del a  # dead: its memory serves the MLP (the activation plan counts on it)
+    if w.moe:  # the Mixture-of-Experts block (moe.py) in place of the dense MLP
+        m = None if rebuild is not None else new(N, C)
+        ms = moe_forward(m, n2, w, ads, ctx, cfg, rebuild=rebuild is not None)
+        del n2  # not saved: rmsnorm_bwd writes it again for the experts' gate_up dA
+        saved = Saved(x, rstd1, xa, q_pre, k_pre, rstd_q, rstd_k, q, k, v, o, lse, mid, rstd2, None, None, ms)
+        if rebuild is not None:
+            return None, saved
+        if keep is not None:
+            saved = Saved(*(t if f in keep else None for f, t in zip(Saved._fields, saved)))
+        return (mid, m), saved
     F = cfg.intermediate
     gate = new(N, F)
     proj_xa_shared(xa, n2, {"gate": w.gate, "up": w.up}, ads, ctx)
@@ -236,6 +252,14 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     N, C, H, KVH, D, F = g.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate
     new = lambda *shape, dt=g.dtype: torch.empty(*shape, dtype=dt, device=g.device)  # noqa: E731
     waiting = {}  # projection -> dy B, its dA waiting for an input the forward did not keep
+    if w.moe:  # the Mixture-of-Experts block (moe.py), bottom-up
+        dn2 = new(N, C)
+        moe_waiting = moe_backward(dn2, g, sv.moe, w, ads, ctx, cfg)
+        n2 = dn2  # as below: the experts' gate_up dA input
+        rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g, y=n2 if moe_waiting else None)
+        moe_backward_da(moe_waiting, n2, ads, cfg)
+        del dn2, n2, moe_waiting
+        return _attention_backward(g, sv, w, ads, ctx, li, cfg, waiting)
     # MLP block, bottom-up
     dact = new(N, F)
     proj_bwd(dact, g, None, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False, waiting)
@@ -250,7 +274,13 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g, y=n2 if waiting else None)  # g = dL/dmid
     proj_bwd_da(waiting, n2, ads, ctx, li)
     del dn2, n2
-    # attention block, bottom-up
+    return _attention_backward(g, sv, w, ads, ctx, li, cfg, waiting)
+
+
+def _attention_backward(g, sv, w, ads, ctx, li, cfg, waiting):
+    """The attention block of layer_backward, bottom-up: g = dL/dmid in, dL/ds out (in place)."""
+    N, C, H, KVH, D = g.shape[0], cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    new = lambda *shape, dt=g.dtype: torch.empty(*shape, dtype=dt, device=g.device)  # noqa: E731
     do = new(N, H * D)
     proj_bwd(do, g, sv.o, w.o, ads.get("o"), sv.xa.get("o"), "o", ctx, li, False)
     dq, dk, dv = new(N, H * D), new(N, KVH * D), new(N, KVH * D)

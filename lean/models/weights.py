@@ -1,9 +1,26 @@
 """Frozen weights held as flat tensors: one contiguous buffer per layer, fields are views into it.
 
-Shape legend: C hidden, H/KVH heads, D head dim, F MLP hidden, V vocab.
+Shape legend: C hidden, H/KVH heads, D head dim, F MLP hidden, V vocab; for a Mixture-of-Experts
+layer E experts and Fe = moe_intermediate, one expert's MLP width.
 
 The HF-name map is explicit (gpt-fast style): every tensor a checkpoint must hold is listed here
 with its shape, and the loader refuses anything missing, unexpected or mis-shaped.
+
+A Mixture-of-Experts layer (Qwen3-MoE) holds each kind of expert weight as one (E, ...) view of the
+layer's buffer, in the layout transformers 5 writes (checked in transformers 5.24 on the CPU and
+5.17 on the device: Qwen3MoeExperts.gate_up_proj (E, 2Fe, C), gate rows first, `gate, up =
+linear(x, gate_up_proj[e]).chunk(2, dim=-1)`; down_proj (E, C, Fe)):
+
+    router      mlp.gate.weight               (E, C)
+    gate_up     mlp.experts.gate_up_proj      (E, 2Fe, C)   [e, :Fe] gate, [e, Fe:] up
+    down_e      mlp.experts.down_proj         (E, C, Fe)
+
+The hub's checkpoints (transformers 4 layout) hold one tensor per expert instead, and load into the
+same views (expert_aliases):
+
+    mlp.experts.{e}.gate_proj.weight (Fe, C) -> gate_up[e, :Fe]
+    mlp.experts.{e}.up_proj.weight   (Fe, C) -> gate_up[e, Fe:]
+    mlp.experts.{e}.down_proj.weight (C, Fe) -> down_e[e]
 """
 from dataclasses import dataclass, field
 
@@ -12,19 +29,26 @@ import torch
 from .config import ModelConfig
 
 
-def layer_fields(cfg: ModelConfig):
-    """Ordered (field, HF suffix, shape) of one decoder layer's frozen tensors. q, k and v are
+def layer_fields(cfg: ModelConfig, li: int = 0):
+    """Ordered (field, HF suffix, shape) of decoder layer li's frozen tensors. q, k and v are
     adjacent so that one (Oq + 2*Okv, C) view covers them."""
     C, F, D = cfg.hidden, cfg.intermediate, cfg.head_dim
     Oq, Okv = cfg.q_dim, cfg.kv_dim
+    if cfg.is_moe(li):
+        E, Fe = cfg.n_experts, cfg.moe_intermediate
+        mlp = [("router", "mlp.gate.weight", (E, C)),
+               ("gate_up", "mlp.experts.gate_up_proj", (E, 2 * Fe, C)),
+               ("down_e", "mlp.experts.down_proj", (E, C, Fe))]
+    else:
+        mlp = [("gate", "mlp.gate_proj.weight", (F, C)),
+               ("up", "mlp.up_proj.weight", (F, C)),
+               ("down", "mlp.down_proj.weight", (C, F))]
     f = [
         ("q", "self_attn.q_proj.weight", (Oq, C)),
         ("k", "self_attn.k_proj.weight", (Okv, C)),
         ("v", "self_attn.v_proj.weight", (Okv, C)),
         ("o", "self_attn.o_proj.weight", (C, Oq)),
-        ("gate", "mlp.gate_proj.weight", (F, C)),
-        ("up", "mlp.up_proj.weight", (F, C)),
-        ("down", "mlp.down_proj.weight", (C, F)),
+        *mlp,
         ("in_norm", "input_layernorm.weight", (C,)),
         ("post_norm", "post_attention_layernorm.weight", (C,)),
     ]
@@ -40,6 +64,18 @@ def layer_fields(cfg: ModelConfig):
     return f
 
 
+def expert_aliases(layer, li, cfg: ModelConfig):
+    """(HF name, view, fused name) of an MoE layer's per-expert tensors (the hub's layout): each
+    is one expert's slice of a fused view; a checkpoint holds either these or the fused tensors."""
+    if not cfg.is_moe(li):
+        return
+    Fe, pre = cfg.moe_intermediate, f"model.layers.{li}.mlp.experts"
+    for e in range(cfg.n_experts):
+        yield f"{pre}.{e}.gate_proj.weight", layer.gate_up[e, :Fe], f"{pre}.gate_up_proj"
+        yield f"{pre}.{e}.up_proj.weight", layer.gate_up[e, Fe:], f"{pre}.gate_up_proj"
+        yield f"{pre}.{e}.down_proj.weight", layer.down_e[e], f"{pre}.down_proj"
+
+
 # Tensors some checkpoints carry that the model never reads (HF ignores them too).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,8 +83,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class Layer:
     """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device):
-        fields = layer_fields(cfg)
+    def __init__(self, cfg: ModelConfig, dtype, device, li: int = 0):
+        fields = layer_fields(cfg, li)
+        self.moe = cfg.is_moe(li)
         numel = sum(_prod(s) for _, _, s in fields)
         self.buf = torch.empty(numel, dtype=dtype, device=device)
         self.fields = [name for name, _, _ in fields]
@@ -57,7 +94,8 @@ class Layer:
             n = _prod(shape)
             setattr(self, name, self.buf[off:off + n].view(shape))
             off += n
-        for name in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
+        for name in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
+                     "gate", "up", "down", "router", "gate_up", "down_e"):
             if not hasattr(self, name):
                 setattr(self, name, None)
 
@@ -79,7 +117,7 @@ class Model:
         """(HF name, tensor) for every frozen tensor, in checkpoint naming."""
         yield "model.embed_tokens.weight", self.embed
         for i, layer in enumerate(self.layers):
-            for name, suffix, _ in layer_fields(self.config):
+            for name, suffix, _ in layer_fields(self.config, i):
                 yield f"model.layers.{i}.{suffix}", getattr(layer, name)
         yield "model.norm.weight", self.norm
         if not self.config.tie_embeddings:
@@ -93,7 +131,7 @@ def empty_model(cfg: ModelConfig, dtype, device, path="") -> Model:
     return Model(
         config=cfg,
         embed=embed,
-        layers=[Layer(cfg, dtype, device) for _ in range(cfg.n_layers)],
+        layers=[Layer(cfg, dtype, device, li) for li in range(cfg.n_layers)],
         norm=torch.empty(cfg.hidden, dtype=dtype, device=device),
         lm_head=lm_head,
         dtype=dtype,

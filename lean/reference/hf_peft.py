@@ -12,10 +12,10 @@ def peft_wrap(hf_model, lora):
     """PEFT model carrying exactly lean's adapter weights."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    names = [{"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
-              "up": "up_proj", "down": "down_proj"}[t] for t in lora.targets]
-    pc = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=names, lora_dropout=0.0,
-                    use_rslora=lora.use_rslora)
+    c = lora.peft_config()  # an MoE model's experts: target_parameters (PEFT adds their rank pattern)
+    pc = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=c["target_modules"], lora_dropout=0.0,
+                    use_rslora=lora.use_rslora, target_parameters=c["target_parameters"],
+                    rank_pattern=c["rank_pattern"], alpha_pattern=c["alpha_pattern"])
     pm = get_peft_model(hf_model, pc)
     sd = {k: v.detach().cpu().to(torch.float32) for k, v in lora.state_dict().items()}
     res = set_peft_model_state_dict(pm, sd)

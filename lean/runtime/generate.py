@@ -29,6 +29,7 @@ from ..kernels.rmsnorm import rmsnorm_fwd
 from ..kernels.rope import rope_fwd, rope_inv_freq, rope_table
 from ..kernels.swiglu import swiglu_fwd
 from ..models.dense import Ctx, proj_fwd
+from ..models.moe import moe_forward
 
 
 def _rope_rows(model, n_rows):
@@ -72,11 +73,14 @@ def _layer_cached(s, d, w, ads, ctx, li, cfg, kc, vc, P, cos, sin):
     proj_fwd(a, unused, o, w.o, w.o_bias, ads.get("o"), "o", ctx, li)
     mid, n2 = new(T, C), new(T, C)
     rmsnorm_fwd(n2, rstd, x, w.post_norm, ctx.eps, residual=a, h=mid)
+    m = new(T, C)
+    if w.moe:  # the Mixture-of-Experts block, as in training (ctx.moe None: no step counts)
+        moe_forward(m, n2, w, ads, ctx, cfg)
+        return mid, m
     gate, up, act = new(T, cfg.intermediate), new(T, cfg.intermediate), new(T, cfg.intermediate)
     proj_fwd(gate, unused, n2, w.gate, None, ads.get("gate"), "gate", ctx, li)
     proj_fwd(up, unused, n2, w.up, None, ads.get("up"), "up", ctx, li)
     swiglu_fwd(act, gate, up)
-    m = new(T, C)
     proj_fwd(m, unused, act, w.down, None, ads.get("down"), "down", ctx, li)
     return mid, m
 

@@ -55,6 +55,10 @@ def _check_setup(model, lora, opt, budget, max_docs, plan):
         raise StepGraphError(f"StepGraph needs LoRA dropout 0, got {lora.dropout}: the dropout seed is a host "
                              "value baked into the captured launches (every replay would draw the same masks); "
                              "use LoRA.init(..., dropout=0.0) or the eager step (forward_backward + opt.step)")
+    if model.config.aux_loss_coef > 0:
+        raise StepGraphError("StepGraph: this MoE model's config turns on the load-balancing loss "
+                             "(output_router_logits), which would count the padding tokens a captured step adds; "
+                             "use the eager step (forward_backward + opt.step)")
     if opt.lora is not lora:
         raise StepGraphError("StepGraph: opt updates another LoRA than the one given: build it as AdamW(lora)")
     if not (isinstance(budget, int) and budget >= 1 and isinstance(max_docs, int) and max_docs >= 1):

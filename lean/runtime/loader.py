@@ -6,13 +6,14 @@ is never imported. Pickle checkpoints (*.bin, *.pt) are refused: they can run co
 """
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from ..kernels.arch import arch
 from ..models.config import UnsupportedModelError, config_from_hf
-from ..models.weights import IGNORED_SUFFIXES, empty_model
+from ..models.weights import IGNORED_SUFFIXES, empty_model, expert_aliases
 
 # What a training run needs from a hub repository: config, weights, tokenizer and chat template.
 HUB_PATTERNS = [
@@ -131,6 +132,13 @@ def _fill(cfg, named, dtype, device, path):
     arch(torch.device(device))  # a GPU lean cannot run on is refused here, before any weight moves
     model = empty_model(cfg, dtype, device, path=path)
     targets = dict(model.hf_tensors())
+    # The hub's per-expert tensors fill slices of the fused expert views (weights.expert_aliases):
+    # a fused tensor counts as loaded once every one of its slices has been.
+    parts = {}  # per-expert name -> fused name
+    for li, layer in enumerate(model.layers):
+        for name, view, fused in expert_aliases(layer, li, cfg):
+            targets[name], parts[name] = view, fused
+    n_parts = Counter(parts.values())
     seen, unexpected = set(), []
     for name, get, src in named:
         dst = targets.get(name)
@@ -148,6 +156,11 @@ def _fill(cfg, named, dtype, device, path):
                                  f"implies {tuple(dst.shape)}: the weights do not match the config")
         dst.copy_(t)  # host -> device copy with the cast to the compute dtype
         seen.add(name)
+    n_seen = Counter(f for p, f in parts.items() if p in seen)
+    seen.update(f for f, n in n_parts.items() if n_seen[f] == n)  # every slice seen: the fused tensor is there
+    for p, fused in parts.items():  # one layout or the other is required, not both
+        if fused in seen:
+            seen.add(p)
     missing = [n for n in targets if n not in seen]
     if missing or unexpected:
         parts = []

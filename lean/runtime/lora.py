@@ -5,6 +5,17 @@ Shape legend: R rank, C hidden, F MLP hidden, Oq = H*D, Okv = KVH*D.
 For every layer and every target projection W (out, in): A (R, in), B (out, R), and the layer
 computes y = x W^T + scale * (drop(x) A^T) B^T with scale = alpha / R (alpha / sqrt(R) with rsLoRA).
 
+Mixture-of-Experts layers (Qwen3-MoE) adapt their experts as PEFT 0.21 does on transformers 5
+(`target_parameters` on the fused expert weights; the router stays frozen). Targets gate or up adapt
+gate_up (E, 2Fe, C), down adapts down_e (E, C, Fe), one A and B per expert:
+    gate_up  A (E, 2R, C), B (E, 2Fe, 2R)   PEFT's rank_pattern/alpha_pattern give it rank 2R, alpha 2*alpha
+    down_e   A (E, R, Fe), B (E, C, R)
+and y_e = x W_e^T + scale * (x A_e^T) B_e^T. PEFT stores A as (E*R, in), expert-major (a view of
+ours), and B as (out, R*E), rank-major with the expert fastest: B_peft.view(out, R, E)[o, r, e] =
+B[e, o, r], so B is permuted on save and load. PEFT gives a dense-MLP layer of an MoE model (one in
+mlp_only_layers) no adapter when asked for gate/up/down (it maps those names onto the experts), and so
+does lean: adapters load both ways.
+
 Buffers (all flat, all views share one layout: layer-major, then target order, A before B):
   params  (P,) fp32   master weights: what AdamW updates and what is saved
   lowp    (P,) dtype  the compute copy the kernels read (the same tensor as params in fp32)
@@ -46,9 +57,24 @@ class LoRAError(ValueError):
 
 def _target_shape(cfg, t):
     """(out, in) of target projection t."""
-    C, F = cfg.hidden, cfg.intermediate
+    C, F, Fe = cfg.hidden, cfg.intermediate, cfg.moe_intermediate
     return {"q": (cfg.q_dim, C), "k": (cfg.kv_dim, C), "v": (cfg.kv_dim, C), "o": (C, cfg.q_dim),
-            "gate": (F, C), "up": (F, C), "down": (C, F)}[t]
+            "gate": (F, C), "up": (F, C), "down": (C, F), "gate_up": (2 * Fe, C), "down_e": (C, Fe)}[t]
+
+
+EXPERT_TARGETS = ("gate_up", "down_e")  # the adapters of an MoE layer's experts
+
+
+def layer_targets(cfg, li, targets):
+    """The adapters of layer li for the user's targets: an MoE layer's gate/up/down are its experts'."""
+    if not cfg.is_moe(li):
+        return tuple(t for t in targets if not (cfg.n_experts and t in ("gate", "up", "down")))
+    out = [t for t in targets if t in ("q", "k", "v", "o")]
+    if "gate" in targets or "up" in targets:
+        out.append("gate_up")
+    if "down" in targets:
+        out.append("down_e")
+    return tuple(out)
 
 
 def _normalise_targets(targets):
@@ -70,10 +96,12 @@ def _normalise_targets(targets):
 
 
 class Adapter:
-    """The views of one target projection's A and B in every flat buffer."""
+    """The views of one target projection's A and B in every flat buffer (an MoE layer's expert
+    adapters: (E, R, in) and (E, out, R), with their own scale)."""
 
-    def __init__(self, a, b, a_lowp, b_lowp, da, db):
+    def __init__(self, a, b, a_lowp, b_lowp, da, db, scale=None):
         self.a, self.b, self.a_lowp, self.b_lowp, self.da, self.db = a, b, a_lowp, b_lowp, da, db
+        self.scale = scale
 
 
 class LoRA:
@@ -92,30 +120,43 @@ class LoRA:
         self.seed = int(seed)
         self.steps = 0  # forward_backward calls so far: each draws a fresh dropout seed
         self.base_model_name = model.path
-        self.layout = []  # (layer, target, offset of A, (out, in))
+        self.layout = []  # (layer, target, offset of A, A's shape, B's shape)
         off = 0
         for i in range(cfg.n_layers):
-            for t in self.targets:
+            for t in layer_targets(cfg, i, self.targets):
                 out_f, in_f = _target_shape(cfg, t)
-                self.layout.append((i, t, off, (out_f, in_f)))
-                off += self.r * in_f + out_f * self.r
+                R = self.r * (2 if t == "gate_up" else 1)
+                sa, sb = ((R, in_f), (out_f, R)) if t not in EXPERT_TARGETS else \
+                    ((cfg.n_experts, R, in_f), (cfg.n_experts, out_f, R))
+                self.layout.append((i, t, off, sa, sb))
+                off += _numel(sa) + _numel(sb)
         self.numel = off
+        if self.dropout and any(t in EXPERT_TARGETS for _, t, *_ in self.layout):
+            raise LoRAError(f"LoRA dropout={dropout} on an MoE model's experts: PEFT does not apply dropout to "
+                            "expert weights (target_parameters), and neither does lean; use dropout 0 "
+                            "(--dropout 0), or adapt only the attention (--targets q,k,v,o)")
         dev = model.device
         self.params = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
         self.grads = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
         self.lowp = self.params if model.dtype == torch.float32 else torch.empty(off, dtype=model.dtype, device=dev)
         self.layers = [dict() for _ in range(cfg.n_layers)]
-        R = self.r
-        for i, t, o, (out_f, in_f) in self.layout:
-            na, nb = R * in_f, out_f * R
+        for i, t, o, sa, sb in self.layout:
+            na, nb = _numel(sa), _numel(sb)
 
             def views(buf):
-                return buf[o:o + na].view(R, in_f), buf[o + na:o + na + nb].view(out_f, R)
+                return buf[o:o + na].view(sa), buf[o + na:o + na + nb].view(sb)
 
             a, b = views(self.params)
             al, bl = views(self.lowp)
             da, db = views(self.grads)
-            self.layers[i][t] = Adapter(a, b, al, bl, da, db)
+            scale = self.target_scale(t) if t in EXPERT_TARGETS else None
+            self.layers[i][t] = Adapter(a, b, al, bl, da, db, scale)
+
+    def target_scale(self, t):
+        """alpha / r of target t: gate_up's rank and alpha are both doubled (PEFT's patterns), which
+        changes the scale under rsLoRA only."""
+        k = 2 if t == "gate_up" else 1
+        return k * self.alpha / (math.sqrt(k * self.r) if self.use_rslora else k * self.r)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -124,9 +165,9 @@ class LoRA:
         lora = cls(model, r, alpha, targets, dropout, use_rslora, seed)
         rng = np.random.default_rng(seed)
         host = np.zeros(lora.numel, dtype=np.float32)
-        for _, _, o, (out_f, in_f) in lora.layout:
-            bound = 1.0 / math.sqrt(in_f)
-            host[o:o + lora.r * in_f] = rng.uniform(-bound, bound, lora.r * in_f)
+        for _, _, o, sa, _ in lora.layout:
+            bound = 1.0 / math.sqrt(sa[-1])  # 1 / sqrt(in)
+            host[o:o + _numel(sa)] = rng.uniform(-bound, bound, _numel(sa))
         lora.params.copy_(torch.from_numpy(host))
         lora.sync_lowp()
         return lora
@@ -148,7 +189,9 @@ class LoRA:
             raise LoRAError(f"{cfg_path} is not a PEFT adapter config ({e}): save the adapter again") from e
         if pc.get("peft_type", "LORA") != "LORA":
             raise LoRAError(f"{cfg_path}: peft_type={pc.get('peft_type')!r}; lean loads LORA adapters only")
-        unsupported = [f"{k}={pc[k]!r}" for k in UNSUPPORTED if pc.get(k) not in (None, False, {}, [], "")]
+        experts = _expert_targets(pc, model.config)  # an MoE model's experts: what PEFT writes for them
+        unsupported = [f"{k}={pc[k]!r}" for k in UNSUPPORTED if pc.get(k) not in (None, False, {}, [], "")
+                       and not (experts is not None and k in ("target_parameters", "rank_pattern", "alpha_pattern"))]
         if pc.get("bias", "none") != "none":
             unsupported.append(f"bias={pc['bias']!r}")
         if unsupported:
@@ -159,7 +202,7 @@ class LoRA:
             tensors = load_file(str(w_path))
         except Exception as e:
             raise LoRAError(f"{w_path} is not a readable safetensors file ({e}): save the adapter again") from e
-        found = set()
+        found = set(experts or ())
         for k in tensors:
             for t, mod in PEFT_MODULE.items():
                 if f".{mod}.lora_" in k:
@@ -206,29 +249,50 @@ class LoRA:
         self.grads.zero_()
 
     def _peft_items(self, buf_name_or_tensor):
-        """(PEFT key, view) pairs over a flat buffer laid out like params."""
+        """(PEFT key, view) pairs over a flat buffer laid out like params. An expert B is a
+        permuted view (out, R*E) of ours: read it with .contiguous(), write it with copy_."""
         buf = buf_name_or_tensor
-        R = self.r
-        for i, t, o, (out_f, in_f) in self.layout:
-            na, nb = R * in_f, out_f * R
-            base = f"base_model.model.model.layers.{i}.{PEFT_MODULE[t]}"
-            yield f"{base}.lora_A.weight", buf[o:o + na].view(R, in_f)
-            yield f"{base}.lora_B.weight", buf[o + na:o + na + nb].view(out_f, R)
+        for i, t, o, sa, sb in self.layout:
+            na, nb = _numel(sa), _numel(sb)
+            a, b = buf[o:o + na].view(sa), buf[o + na:o + na + nb].view(sb)
+            if t in EXPERT_TARGETS:  # A (E, R, in) -> (E*R, in); B (E, out, R) -> (out, R, E) -> (out, R*E)
+                E, R, in_f = sa
+                a, b = a.view(E * R, in_f), _PeftB(b)
+            base = f"base_model.model.model.layers.{i}.{self._peft_module(i, t)}"
+            yield f"{base}.lora_A.weight", a
+            yield f"{base}.lora_B.weight", b
+
+    def _peft_module(self, i, t):
+        """PEFT's module path of target t in layer i. PEFT wraps the experts module once per target
+        parameter, gate_up first: with both adapted, gate_up's adapter sits one level down."""
+        if t not in EXPERT_TARGETS:
+            return PEFT_MODULE[t]
+        both = "gate_up" in self.layers[i] and "down_e" in self.layers[i]
+        return "mlp.experts.base_layer" if t == "gate_up" and both else "mlp.experts"
 
     def state_dict(self):
-        return dict(self._peft_items(self.params))
+        return {k: _peft_tensor(v) for k, v in self._peft_items(self.params)}
 
     def grad_state_dict(self):
-        """Gradients under PEFT's key names (views into the flat gradient buffer)."""
-        return dict(self._peft_items(self.grads))
+        """Gradients under PEFT's key names (views into the flat gradient buffer; an expert B a copy)."""
+        return {k: _peft_tensor(v) for k, v in self._peft_items(self.grads)}
 
     def peft_config(self):
+        moe = self.model_config.n_experts > 0
+        modules = [t for t in self.targets if not (moe and t in ("gate", "up", "down"))]
+        params = ([f"mlp.experts.{p}" for t, p in (("gate_up", "gate_up_proj"), ("down_e", "down_proj"))
+                   if any(t == u for _, u, *_ in self.layout)] if moe else None)
+        gate_up = moe and params and params[0].endswith("gate_up_proj")
         return {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model_name,
             "r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.use_rslora,
-            "target_modules": [PEFT_MODULE[t].split(".")[-1] for t in self.targets], "bias": "none",
+            "target_modules": [PEFT_MODULE[t].split(".")[-1] for t in modules], "bias": "none",
+            "target_parameters": params or None,
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_dora": False,
-            "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+            "modules_to_save": None, "layers_to_transform": None,
+            # what PEFT writes for gate_up_proj (two projections in one parameter): rank and alpha doubled
+            "rank_pattern": {GATE_UP_PATTERN: 2 * self.r} if gate_up else {},
+            "alpha_pattern": {GATE_UP_PATTERN: 2 * self.alpha} if gate_up else {},
         }
 
     def save(self, adapter_dir):
@@ -240,6 +304,59 @@ class LoRA:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}  # sync: save point
         _atomic_write(d / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
         _atomic_write(d / ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(self.peft_config(), indent=2)))
+
+
+GATE_UP_PATTERN = ".*\\.gate_up_proj"
+
+
+class _PeftB:
+    """An expert B (E, out, R) seen in PEFT's (out, R*E) layout: .shape, .contiguous(), copy_()."""
+
+    def __init__(self, b):
+        self.b = b
+        E, out_f, R = b.shape
+        self.shape = (out_f, R * E)
+
+    def contiguous(self):
+        return self.b.permute(1, 2, 0).reshape(self.shape)  # (out, R, E) -> (out, R*E): a copy
+
+    def copy_(self, t):
+        E, out_f, R = self.b.shape
+        self.b.copy_(t.reshape(out_f, R, E).permute(2, 0, 1))
+        return self
+
+
+def _peft_tensor(v):
+    return v.contiguous() if isinstance(v, _PeftB) else v
+
+
+def _expert_targets(pc, cfg):
+    """For an MoE model, the user-level targets ("gate"/"up", "down") an adapter config's
+    target_parameters adapt, if its rank and alpha patterns are the ones PEFT writes for them;
+    None when the config has no target_parameters (or the model no experts)."""
+    params = pc.get("target_parameters") or []
+    if not params or not cfg.n_experts:
+        return None
+    names = {p.split(".")[-1] for p in params}
+    if not names <= {"gate_up_proj", "down_proj"}:
+        raise LoRAError(f"target_parameters={params!r}: lean adapts an MoE model's mlp.experts.gate_up_proj "
+                        "and mlp.experts.down_proj, nothing else")
+    r, alpha = pc["r"], float(pc.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    patterns = ({GATE_UP_PATTERN: 2 * r}, {GATE_UP_PATTERN: 2 * alpha}) if "gate_up_proj" in names else ({}, {})
+    got = ({k: v for k, v in (pc.get("rank_pattern") or {}).items()},
+           {k: float(v) for k, v in (pc.get("alpha_pattern") or {}).items()})
+    if got != (patterns[0], {k: float(v) for k, v in patterns[1].items()}):
+        raise LoRAError(f"rank_pattern={pc.get('rank_pattern')!r}, alpha_pattern={pc.get('alpha_pattern')!r}: "
+                        f"lean gives the experts' gate_up_proj rank {2 * r} and alpha {2 * alpha} (what PEFT "
+                        "writes), and every other adapter rank r")
+    return (("gate", "up") if "gate_up_proj" in names else ()) + (("down",) if "down_proj" in names else ())
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _key(tensors, key):

@@ -1,6 +1,7 @@
 """Fold a LoRA adapter into the frozen weights and write an HF folder transformers loads.
 
     W' = W + scale * B A          for every adapted projection (O, K) = (O, R) @ (R, K)
+    W'[e] = W[e] + scale * B[e] A[e]   for each expert e of an adapted MoE expert weight (E, O, K)
 
 The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
 tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
@@ -35,9 +36,11 @@ def merged_tensors(model, lora, dtype):
     for name, w in model.hf_tensors():
         ad = adapted.get(id(w))
         if ad is not None:
-            w32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (O, K)
+            w32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (O, K) or (E, O, K)
             w32.copy_(w)
-            matmul(w32, ad.b, ad.a, accumulate=True, alpha=lora.scale)  # W += scale * B A
+            scale = ad.scale if ad.scale is not None else lora.scale
+            for we, b, a in zip(*((w32, ad.b, ad.a) if w.dim() == 3 else ([w32], [ad.b], [ad.a]))):
+                matmul(we, b, a, accumulate=True, alpha=scale)  # W += scale * B A (per expert)
             w = w32
         out[name] = w.to(device="cpu", dtype=dtype).contiguous()  # sync: merge is a save point
     return out

@@ -23,6 +23,8 @@ What one layer's forward saves for its backward (dense.Saved, field for field):
 | rstd2  | (N,)         | fp32  | 1/rms of mid                                   |
 | gate   | (N, F)       | act   | gate projection (overwritten by its gradient)  |
 | up     | (N, F)       | act   | up projection (overwritten by its gradient)    |
+| moe    | -            | -     | an MoE layer's moe.MoeSaved (routing, expert rows); not priced yet: |
+|        |              |       | planner.plan_for refuses MoE models, whose layers keep every row    |
 
 Not in the table, never saved: n1 = rmsnorm(x) w_in (q/k/v's input), n2 = rmsnorm(mid) w_post
 (gate/up's) and act = silu(gate) up (down's). Their one use in backward is the LoRA dA; the
@@ -114,7 +116,7 @@ class Row(NamedTuple):
     name: str
     shape: str  # in the legend's symbols; "R*" = one (N, R) per LoRA projection
     dtype: str  # "act" or "fp32"
-    when: str = "always"  # "always" | "qk_norm" | "lora"
+    when: str = "always"  # "always" | "qk_norm" | "lora" | "moe"
 
 
 PLAN = (  # what a layer saves: dense.Saved, in its field order
@@ -134,6 +136,7 @@ PLAN = (  # what a layer saves: dense.Saved, in its field order
     Row("rstd2", "N", "fp32"),
     Row("gate", "N,F", "act"),
     Row("up", "N,F", "act"),
+    Row("moe", "N", "act", "moe"),  # 0 bytes in a dense model; MoE layers are not priced (see above)
 )
 
 # What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
@@ -177,6 +180,8 @@ def row_bytes(row, cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
     if row.when == "qk_norm" and not cfg.qk_norm:
         return 0
     if row.when == "lora" and not n_lora_targets:
+        return 0
+    if row.when == "moe":
         return 0
     sym = _sym(cfg, n_tokens, lora_rank, n_lora_targets)
     numel = 1

@@ -105,6 +105,10 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     rates price the candidates (None: measured here by offload.measure_rates when a budget is given
     on a GPU, a setup-time sync; DEFAULT_RATES on a CPU). When the plan says so, this moves the
     untied embedding table to pinned host memory (models/weights.embed_to_host), for good."""
+    if model.config.moe_layers:
+        raise PlanError("the activation planner does not price Mixture-of-Experts layers yet: train this model "
+                        "without --vram-budget (every layer keeps its activations), with fewer --max-tokens if "
+                        "a step does not fit")
     on_gpu = model.device.type == "cuda"
     if rates is None and budget_bytes is not None and on_gpu:
         from .offload import measure_rates

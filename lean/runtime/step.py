@@ -29,7 +29,9 @@ from ..kernels.gemm import matmul
 from ..kernels.linear_ce import linear_ce_fwd_bwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
+from ..kernels.moe_route import moe_aux
 from ..models.dense import Ctx, layer_backward, layer_forward
+from ..models.moe import MoeStep
 from .offload import scheduler
 from .plan import KEEP, KEPT_ROWS, OFFLOADED
 
@@ -69,6 +71,21 @@ def rope_tables(model, batch):
     return batch.cache[key]
 
 
+def moe_step(model):
+    """The per-step MoE buffers (None for a dense model): expert counts, and with the load-balancing
+    loss on (output_router_logits), the router probability sums, its value and its gradient. Kept
+    as model.cache["moe"], where lean-train reads the expert load at its log points."""
+    cfg = model.config
+    if not cfg.moe_layers:
+        return None
+    zeros = lambda n: torch.zeros(n, dtype=torch.float32, device=model.device)  # noqa: E731
+    aux = cfg.aux_loss_coef > 0
+    st = MoeStep(zeros(cfg.n_experts), zeros(cfg.n_experts) if aux else None, zeros(cfg.n_experts) if aux else None,
+                 zeros(1) if aux else None)
+    model.cache["moe"] = st
+    return st
+
+
 def make_ctx(model, lora, batch, seed=0):
     cfg = model.config
     cos, sin = rope_tables(model, batch)
@@ -78,6 +95,7 @@ def make_ctx(model, lora, batch, seed=0):
         lora_scale=lora.scale if lora is not None else 0.0,
         dropout=lora.dropout if lora is not None else 0.0,
         seed=seed,
+        moe=moe_step(model),
     )
 
 
@@ -152,11 +170,24 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
     linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
+    _aux_loss(loss, ctx, model.config, batch, grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
     del nf, dnf, x_final, rstd  # dead: their memory serves the layers' backward (plan.py counts on it)
     _backward_layers(g, tape, plan, sched)  # backward: every layer in reverse
     return loss[0:1], batch.n_targets
+
+
+def _aux_loss(loss, ctx, cfg, batch, grad_scale):
+    """The load-balancing loss (MoE models with output_router_logits): HF adds coef * aux to the
+    mean token loss, so loss[0] (a sum over the batch's targets) gets n_targets * coef * aux, and
+    the routers' backward gets its gradient at the same grad_scale as the token losses."""
+    st = ctx.moe
+    if st is None or st.aux_grad is None:
+        return
+    rows = len(cfg.moe_layers) * batch.n_tokens
+    moe_aux(st.aux, st.aux_grad, st.counts, st.prob_sum, rows, grad_scale,
+            alpha=cfg.aux_loss_coef * batch.n_targets, loss=loss)
 
 
 def forward(model, lora, batch):
@@ -176,4 +207,5 @@ def loss_eval(model, lora, batch):
     nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)
     linear_ce_fwd_bwd(loss, None, nf, model.lm_head, batch.targets)
+    _aux_loss(loss, ctx, model.config, batch, 1.0)
     return loss[0:1], batch.n_targets

@@ -360,7 +360,7 @@ def default_plan(cfg, model, lora, free):
     (`free` bytes, before the weights loaded): None (keep every activation, no planning) when a step
     fits it, else the planner's plan for it, so that a step too big for the card recomputes and
     offloads instead of running out of memory."""
-    if cfg.vram_budget is not None or free is None:
+    if cfg.vram_budget is not None or free is None or model.config.moe_layers:  # MoE: not priced yet
         return None
     keep = plan_for(model, lora, cfg.max_tokens)  # no budget: the all-keep plan, priced, no measurement
     if keep.memory.peak + SLACK <= free:
@@ -425,6 +425,8 @@ GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs ea
 def _step_graph(cfg, model, lora, opt, device, plan):
     """The captured step where it applies (see the module docstring), else None."""
     if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0):
+        return None
+    if model.config.aux_loss_coef > 0:  # the load-balancing loss would count a captured step's padding
         return None
     return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan)
 

@@ -1,0 +1,167 @@
+"""The Mixture-of-Experts MLP block (Qwen3-MoE): forward and backward side by side.
+
+Shape legend: N tokens in the packed batch, C hidden, E experts, K experts per token (top-k),
+F one expert's MLP width (moe_intermediate), P = N*K slots, R LoRA rank (gate_up's adapter has 2R).
+Slot j = n*K + i is token n's i-th choice; the slots are grouped by expert with a stable counting
+sort (kernels/moe_group.group_slots): order[p] = j for sorted position p, slot_pos[j] = p, and
+offsets[e] the first sorted position of expert e. All of it stays on the device; every shape
+depends on N only, so the block captures in a CUDA graph (runtime/graph.py).
+
+Forward, from n2 = rmsnorm(mid) * w_post (the post-attention norm dense.py runs):
+
+    logits = n2 Wr^T                                  (N, E) model dtype, the frozen router
+    w, e   = top-K of softmax(fp32 logits) over E; w / sum(w) when norm_topk_prob; w cast to dtype
+    h_s    = n2[tok(p)] Wgu_e^T + s (n2[tok(p)] A_e^T) B_e^T      (P, 2F) gate | up, sorted
+    act_s  = silu(h_s[:, :F]) * h_s[:, F:]                         (P, F)
+    y_s    = act_s Wd_e^T + s (act_s Ad_e^T) Bd_e^T                (P, C)
+    m[n]   = sum_i w[n, i] y_s[slot_pos[n*K + i]]                  (N, C) fp32 sum, one rounding
+
+exactly transformers' Qwen3MoeSparseMoeBlock (router, top-k and cast order), with PEFT's expert
+adapters (runtime/lora.py). The gathers of n2 rows happen in the grouped GEMM's prologue
+(kernels/grouped_gemm.py); y_s is written sorted and summed per token by one combine kernel rather
+than scatter-added with atomics, so the sum has a fixed order and the step is bit-reproducible.
+
+Backward, g = dL/dm (N, C):
+
+    G_s    = g[tok(p)] Wd_e + s (g[tok(p)] Bd_e) Ad_e              (P, F)  dL/d(act_s) before w
+    dw[j]  = <G_s[p], act_s[p]>  (= <g[n], y_s[p]>)                 (N, K) fp32: the routing-weight grad
+    dh_s   = swiglu_bwd(w_j G_s)                                    (P, 2F) written over h_s
+    dBd_e += s sum_p w_p g[tok(p)]^T xad_s[p];  dAd_e += s sum_p w_p (g[tok(p)] Bd_e)^T act_s[p]
+    dX_s   = dh_s Wgu_e + s (dh_s B_e) A_e                          (P, C)
+    dn2[n] = sum_i dX_s[slot_pos[n*K + i]] + (route_bwd(dw) Wr)[n]
+    dB_e  += s sum_p dh_s[p]^T xa_s[p];  dA_e += s sum_p (dh_s[p] B_e)^T n2[tok(p)]   (waits for n2)
+
+route_bwd takes dw back through the cast (identity), the renormalisation, the top-k selection and
+the softmax to the router logits, plus the load-balancing loss's gradient when the config enables it
+(ctx.moe.aux_grad). Without dw every layer below would get wrong gradients (tests/test_moe.py
+checks that dropping it fails).
+
+Saved (MoeSaved): logits, w, e, order, slot_pos, offsets, h_s and the expert LoRA rows xa_s and
+xad_s. act_s and y_s are not: act_s is written again by the backward's fused kernel, y_s is not
+needed (dw comes from G_s and act_s). n2 is not saved either (dense.py writes it again over dn2,
+as for the dense MLP's dA).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..kernels.grouped_gemm import gmm, gmm_wgrad
+from ..kernels.lora_linear import linear_bwd, linear_fwd
+from ..kernels.moe_group import group_slots, moe_act_bwd, moe_combine
+from ..kernels.moe_route import route_topk_bwd, route_topk_fwd
+from ..kernels.swiglu import swiglu_fwd
+
+
+class MoeStep(NamedTuple):
+    """Per-step MoE buffers every MoE layer reads or adds to (in Ctx.moe)."""
+    counts: torch.Tensor  # (E,) fp32: slots routed to each expert, summed over the MoE layers (+=)
+    prob_sum: Optional[torch.Tensor]  # (E,) fp32: router probabilities summed over tokens and layers (aux loss)
+    aux_grad: Optional[torch.Tensor]  # (E,) fp32: d(scaled aux loss)/d(probs[n, e]), set before backward
+    aux: Optional[torch.Tensor]  # (1,) fp32: the load-balancing loss (before its coefficient)
+
+
+class MoeSaved(NamedTuple):
+    logits: torch.Tensor  # (N, E) model dtype
+    weights: torch.Tensor  # (N, K) model dtype
+    experts: torch.Tensor  # (N, K) int32
+    order: torch.Tensor  # (P,) int32
+    slot_pos: torch.Tensor  # (P,) int32
+    offsets: torch.Tensor  # (E+1,) int32
+    h: torch.Tensor  # (P, 2F) gate | up, sorted by expert
+    xa_gu: Optional[torch.Tensor]  # (P, 2R) gate_up LoRA rows, or None
+    xa_d: Optional[torch.Tensor]  # (P, R) down LoRA rows, or None
+
+
+def _lora(ad, xa, b):
+    return None if ad is None else (xa, b, ad.scale)
+
+
+def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
+    """m (N, C) = the MoE block of n2 (N, C); returns MoeSaved. rebuild (backward's recompute):
+    m is None and nothing is summed into it, nor into the per-step counts."""
+    N, C, E, K, F = n2.shape[0], cfg.hidden, cfg.n_experts, cfg.top_k, cfg.moe_intermediate
+    P = N * K
+    new = lambda *shape, dt=n2.dtype: torch.empty(*shape, dtype=dt, device=n2.device)  # noqa: E731
+    gu, dn = ads.get("gate_up"), ads.get("down_e")
+    st = None if rebuild else ctx.moe
+    # routing: router logits, top-K, slots grouped by expert
+    logits = new(N, E)
+    linear_fwd(logits, n2, w.router)
+    weights, experts = new(N, K), new(N, K, dt=torch.int32)
+    route_topk_fwd(weights, experts, logits, norm_topk=cfg.norm_topk,
+                   prob_sum=st.prob_sum if st is not None else None)
+    order, slot_pos, offsets = new(P, dt=torch.int32), new(P, dt=torch.int32), new(E + 1, dt=torch.int32)
+    group_slots(order, slot_pos, offsets, experts, counts=st.counts if st is not None else None)
+    # experts: gate/up (gathering n2 rows), SwiGLU, down
+    xa_gu = None
+    if gu is not None:
+        xa_gu = new(P, gu.a_lowp.shape[1])  # (P, 2R)
+        gmm(xa_gu, n2, gu.a_lowp, offsets, gather=order, gather_div=K)
+    h = new(P, 2 * F)
+    gmm(h, n2, w.gate_up, offsets, gather=order, gather_div=K, lora=_lora(gu, xa_gu, gu.b_lowp if gu else None))
+    act = new(P, F)
+    swiglu_fwd(act, h[:, :F], h[:, F:])
+    xa_d = None
+    if dn is not None:
+        xa_d = new(P, dn.a_lowp.shape[1])  # (P, R)
+        gmm(xa_d, act, dn.a_lowp, offsets)
+    saved = MoeSaved(logits, weights, experts, order, slot_pos, offsets, h, xa_gu, xa_d)
+    if rebuild:  # the backward needs neither y_s nor m
+        return saved
+    y = new(P, C)
+    gmm(y, act, w.down_e, offsets, lora=_lora(dn, xa_d, dn.b_lowp if dn else None))
+    del act
+    moe_combine(m, y, slot_pos, weights)
+    return saved
+
+
+def moe_backward(dn2, g, sv, w, ads, ctx, cfg):
+    """dn2 (N, C) = dL/dn2 (written) from g = dL/dm (N, C); expert LoRA grads +=. Returns what the
+    gate_up adapter's dA waits for (None without one): pass it to moe_backward_da with n2."""
+    N, K, F = g.shape[0], cfg.top_k, cfg.moe_intermediate
+    P = N * K
+    new = lambda *shape, dt=g.dtype: torch.empty(*shape, dtype=dt, device=g.device)  # noqa: E731
+    gu, dn = ads.get("gate_up"), ads.get("down_e")
+    order, offsets, slot = sv.order, sv.offsets, (sv.weights.view(-1), sv.order)  # slot: w of sorted row p
+    # down projection, bottom-up: G_s (gathering g rows), then dw and SwiGLU's backward in one kernel
+    gb = None
+    if dn is not None:
+        gb = new(P, dn.a_lowp.shape[1])  # (P, R) = g[tok] Bd_e
+        gmm(gb, g, dn.b_lowp.transpose(1, 2), offsets, gather=order, gather_div=K)
+    G = new(P, F)
+    gmm(G, g, w.down_e.transpose(1, 2), offsets, gather=order, gather_div=K,
+        lora=_lora(dn, gb, dn.a_lowp.transpose(1, 2) if dn else None))
+    dw = new(N, K, dt=torch.float32)
+    act = new(P, F) if dn is not None else None
+    dh = sv.h  # in place: h is dead once read
+    moe_act_bwd(dh, dw, G, sv.h, sv.weights, order, act=act)
+    del G
+    if dn is not None:
+        gmm_wgrad(dn.db, g, sv.xa_d, offsets, gather_a=order, gather_div=K, scale=slot, alpha=dn.scale)
+        gmm_wgrad(dn.da, gb, act, offsets, scale=slot, alpha=dn.scale)
+        del gb, act
+    # gate/up projection: dX_s, summed per token into dn2
+    dhb = None
+    if gu is not None:
+        dhb = new(P, gu.a_lowp.shape[1])  # (P, 2R) = dh_s B_e
+        gmm(dhb, dh, gu.b_lowp.transpose(1, 2), offsets)
+        gmm_wgrad(gu.db, dh, sv.xa_gu, offsets, alpha=gu.scale)
+    dX = new(P, dn2.shape[1])
+    gmm(dX, dh, w.gate_up.transpose(1, 2), offsets, lora=_lora(gu, dhb, gu.a_lowp.transpose(1, 2) if gu else None))
+    moe_combine(dn2, dX, sv.slot_pos)
+    del dX
+    # the router: dw back through renormalise / top-K / softmax, then into dn2 through Wr
+    dlogits = new(N, cfg.n_experts)
+    route_topk_bwd(dlogits, dw, sv.logits, sv.experts, norm_topk=cfg.norm_topk,
+                   aux_grad=ctx.moe.aux_grad if ctx.moe is not None else None)
+    linear_bwd(dn2, dlogits, w.router, accumulate=True)
+    return None if gu is None else (dhb, order, offsets)
+
+
+def moe_backward_da(waiting, n2, ads, cfg):
+    """The gate_up adapter's dA_e += s sum_p (dh_s B_e)^T n2[tok(p)], once n2 is back."""
+    if waiting is None:
+        return
+    dhb, order, offsets = waiting
+    gu = ads["gate_up"]
+    gmm_wgrad(gu.da, dhb, n2, offsets, gather_b=order, gather_div=cfg.top_k, alpha=gu.scale)

@@ -230,3 +230,24 @@ def test_moe_step_dispatches_no_torch_compute_op():
         opt.step()
     compute = sorted(set(rec.ops) - CONTAINER_OPS)
     assert rec.ops and not compute, f"torch did compute inside the MoE step: {compute}"
+
+
+def test_moe_layer_rebuilt_in_backward_gives_the_same_bits(tmp_path):
+    """A plan that recomputes the MoE layers (routing, grouping and expert rows rebuilt from the layer
+    input in backward) gives the keep step's loss and gradients bit for bit."""
+    from lean.runtime.plan import KEEP, RECOMPUTE, make_plan
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    _, model, lora = _setup(tmp_path, moe_config(8, 2, True, [1]), seed)
+    batch = lean.pack(_docs(rng, model.config.vocab, [14, 5, 9]), max_tokens=32, device=DEVICE)
+    lora.zero_grad()
+    loss_keep, _ = lean.forward_backward(model, lora, batch, seed=3)
+    grads_keep = lora.grads.clone()
+    counts_keep = model.cache["moe"].counts.clone()
+    plan = make_plan(model.config, batch.n_tokens, (RECOMPUTE, RECOMPUTE, KEEP), lora_rank=lora.r)
+    lora.zero_grad()
+    loss_plan, _ = lean.forward_backward(model, lora, batch, seed=3, plan=plan)
+    assert torch.equal(loss_plan, loss_keep)
+    assert torch.equal(lora.grads, grads_keep)
+    assert torch.equal(model.cache["moe"].counts, counts_keep), "the rebuild counted the slots again"

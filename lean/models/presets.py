@@ -4,7 +4,8 @@
 
 Used where a real model's shapes are needed without its weights: tools/bench_step.py (random-init
 models of these configs, lean against the peers), tests/test_arch.py (every kernel compiled at the
-configs its chooser returns for these shapes) and `lean-check --model qwen3-0.6b` (random init).
+configs its chooser returns for these shapes) and `lean-check --model qwen3-0.6b` (random init);
+qwen3-30b-a3b (Qwen3-MoE) also by tests/test_moe_gpu.py, cut to a few of its 48 layers.
 The values are those of the models' own config.json files on the hub.
 """
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
@@ -25,6 +26,15 @@ def _qwen3(C, F, L, H, KVH, tie):
                 rope_parameters=_QWEN3_ROPE)
 
 
+def _qwen3_moe(C, F, Fe, L, H, KVH, E, K):
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=C, intermediate_size=F,
+                moe_intermediate_size=Fe, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KVH,
+                head_dim=128, vocab_size=151936, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
+                max_position_embeddings=40960, rope_parameters=_QWEN3_ROPE, router_aux_loss_coef=0.001,
+                output_router_logits=False)
+
+
 PRESETS = {
     "smollm2-135m": _llama(576, 1536, 30, 9, 3, 64, True, vocab_size=49152, rms_norm_eps=1e-5,
                            max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
@@ -35,4 +45,5 @@ PRESETS = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
 }

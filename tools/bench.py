@@ -3,6 +3,7 @@
     python tools/bench.py kernels                  # on the H100, bf16: every kernel
     python tools/bench.py kernels --only attention,lora --json out/bench.json
     python tools/bench.py kernels --smoke          # CPU: interpreter, tiny sizes, no timings
+    python tools/bench.py kernels --only moe       # the MoE grouped expert GEMMs (Qwen3-30B-A3B shapes)
     python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
     python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
     python tools/bench.py step --graph [--budget G] --peers ""   # lean and lean+graph only
@@ -23,7 +24,8 @@ How a number is taken:
     call computes the same thing, not the accuracy test (tests/ do that).
 
 Shape legend: N tokens in the packed batch, C hidden, H/KVH heads, D head dim, F MLP hidden,
-V vocab, R LoRA rank, K/O a projection's in/out features.
+V vocab, R LoRA rank, K/O a projection's in/out features; MoE rows: E experts, k experts per token,
+P = N*k slots sorted by expert, M/K a weight gradient's dims.
 """
 import argparse
 import importlib
@@ -462,6 +464,208 @@ def _gemm_case(B, mod, label, n, K, O):
 
 
 # =============================================================================================
+# MoE grouped expert GEMM (Qwen3-30B-A3B shapes) vs torch._grouped_mm and a per-expert cuBLAS loop
+# =============================================================================================
+# Qwen3-30B-A3B (HF config.json): C hidden, F moe_intermediate, E experts, K per token; R LoRA rank.
+MOE = dict(N=N_TOKENS, C=2048, F=768, E=128, K=8, R=LORA_R)
+MOE_SMOKE = dict(N=24, C=32, F=24, E=6, K=2, R=4)  # multiples of 4: fp32 _grouped_mm's 16-byte strides
+# Expert popularity ~ 1 / rank^s over a seeded permutation, the least popular expert getting no token.
+# s = 0.5 at 8192 tokens, top-8 of 128: the busiest expert takes 2,749 slots (5.4x the mean 512, a third
+# of the tokens), the quietest live one 245; s = 1 would give 6,905 (13x).
+MOE_ZIPF = 0.5
+
+
+def zipf_experts(N, E, K, seed=0, s=MOE_ZIPF):
+    """(N, K) distinct expert ids per token, drawn without replacement with probability ~ 1 / rank^s
+    (Gumbel top-K over log-popularity), the ranks a seeded permutation of the experts; the last-ranked
+    expert has popularity 0, so one expert receives no token (the empty-expert path is timed too)."""
+    rng = np.random.default_rng(seed)
+    rank = rng.permutation(E)  # rank[e]: 0 = most popular
+    with np.errstate(divide="ignore"):
+        logp = np.where(rank == E - 1, -np.inf, -s * np.log1p(rank))
+    keys = logp[None, :] + rng.gumbel(size=(N, E))
+    return np.argpartition(-keys, K - 1, axis=1)[:, :K].astype(np.int32), rng
+
+
+def bench_moe(B):
+    """Every grouped GEMM of one Qwen3-MoE layer's step (models/moe.py), lean's gmm / gmm_wgrad on
+    the device offsets of group_slots, against torch on the same rows already gathered (and, for the
+    weight gradients, already scaled by the routing weight and the LoRA scale): torch._grouped_mm
+    (offs = the int32 cumulative ends, offsets[1:]) and one cuBLAS matmul per expert (host slices
+    from offsets read once, before timing; empty experts skipped). All timed as CUDA-graph replays
+    (the per-expert loop's 128 launches too). err = lean vs lean/reference/grouped_gemm.py in fp64;
+    each torch path's own err is in its note."""
+    gg = lean_kernel("grouped_gemm")
+    group_slots = lean_kernel("moe_group").group_slots
+    m = MOE_SMOKE if B.smoke else MOE
+    N, C, F, E, K, R = (m[k] for k in ("N", "C", "F", "E", "K", "R"))
+    P, dev, s = N * K, B.device, LORA_SCALE
+    ids, rng = zipf_experts(N, E, K)
+    experts = torch.tensor(ids, device=dev)  # (N, K) int32
+    order, slot_pos = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(2))
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    group_slots(order, slot_pos, offsets, experts)
+    off = offsets.tolist()  # host copy for the per-expert loop and the shape label (setup, not timed)
+    rows = np.diff(off)
+    if off[-1] != P or not np.array_equal(rows, np.bincount(ids.ravel(), minlength=E)):
+        raise AssertionError("group_slots: offsets disagree with the routing's bincount")
+    w_route = torch.tensor(rng.dirichlet(np.ones(K), N), device=dev, dtype=B.dtype)  # (N, K) routing weights
+    print(f"# moe: {'smoke' if B.smoke else 'Qwen3-30B-A3B'} N{N} k{K} E{E} C{C} F{F} R{R}; routing zipf "
+          f"s={MOE_ZIPF:g} (seeded): rows per expert max {rows.max()}, mean {P / E:.0f}, min live "
+          f"{rows[rows > 0].min()}, {int((rows == 0).sum())} empty", flush=True)
+    shape = f"{'smoke' if B.smoke else 'a3b'} P{P} E{E}"
+    ctx = dict(B=B, gg=gg, offsets=offsets, off=off, order=order, K=K, s=s, shape=shape)
+
+    n2 = B.randn(N, C)  # (N, C) the MoE block's input (gathered by slot)
+    w_gu, w_d = B.randn(E, 2 * F, C, scale=C**-0.5), B.randn(E, C, F, scale=F**-0.5)  # (E, 2F, C), (E, C, F)
+    a_gu, b_gu = B.randn(E, 2 * R, C, scale=C**-0.5), B.randn(E, 2 * F, 2 * R, scale=(2 * R) ** -0.5)
+    a_d, b_d = B.randn(E, R, F, scale=F**-0.5), B.randn(E, C, R, scale=R**-0.5)
+    act, dh = B.randn(P, F), B.randn(P, 2 * F)  # (P, F) down's input, (P, 2F) dL/d[gate | up], sorted rows
+    for name, x, w, gather, lora in (
+        ("moe gate_up fwd", n2, w_gu, True, None),
+        ("moe gate_up fwd +LoRA", n2, w_gu, True, (a_gu, b_gu)),
+        ("moe down fwd", act, w_d, False, None),
+        ("moe down fwd +LoRA", act, w_d, False, (a_d, b_d)),
+        ("moe dX bwd Wgu^T", dh, w_gu.transpose(1, 2), False, None),
+        ("moe dX bwd Wgu^T +LoRA", dh, w_gu.transpose(1, 2), False, (b_gu.transpose(1, 2), a_gu.transpose(1, 2))),
+    ):
+        _guard(B, name, _moe_gmm_case, ctx, name, x, w, gather, lora)
+    g = B.randn(N, C)  # (N, C) dL/d(block output)
+    xa_gu, dhb = B.randn(P, 2 * R), B.randn(P, 2 * R)  # gate_up's LoRA rows: x A^T and dh B
+    xa_d, gb = B.randn(P, R), B.randn(P, R)  # down's: act A^T and g B
+    slot = (w_route.view(-1), order)  # routing weight of sorted row p
+    for name, a, b, ga, gb_, scale in (  # models/moe.py's four LoRA weight gradients
+        ("moe wgrad gate_up dB", dh, xa_gu, False, False, None),
+        ("moe wgrad gate_up dA", dhb, n2, False, True, None),
+        ("moe wgrad down dB", g, xa_d, True, False, slot),
+        ("moe wgrad down dA", gb, act, False, False, slot),
+    ):
+        _guard(B, name, _moe_wgrad_case, ctx, name, a, b, ga, gb_, scale)
+
+
+def _grouped_mm():
+    """torch._grouped_mm, or None where this torch has none."""
+    return getattr(torch, "_grouped_mm", None)
+
+
+def _moe_baselines(B, ref, paths):
+    """[(baseline, torch_ms or None, note)] for each (name, fn, out) torch path: run once, err
+    against ref, then timed as lean is; a path that fails says why in its note."""
+    out = []
+    for name, fn, result in paths:
+        if fn is None:
+            out.append((name, None, "not in this torch"))
+            continue
+        try:
+            got = fn()
+            B.sync()
+            err = rel_err([(result() if got is None else got, ref)])
+            out.append((name, B.time_graph(fn), f"its err {err:.1e}"))
+        except Exception as e:
+            traceback.print_exc()
+            out.append((name, None, f"failed: {type(e).__name__}: {str(e)[:80]}"))
+    return out
+
+
+def _moe_gmm_case(c, name, x, w, gather, lora):
+    """y (P, O) = x[r(p)] w[e]^T [+ s (x[r(p)] A_e^T) B_e^T]: lean's one gmm (two with LoRA: the
+    adapter rows xa first, as models/moe.py) vs torch on the pre-gathered rows."""
+    B, gg, offsets, off, order, K, s = (c[k] for k in ("B", "gg", "offsets", "off", "order", "K", "s"))
+    ref_mod = reference("grouped_gemm")
+    E, O, Kd = w.shape
+    P, dev, dt = order.numel(), B.device, B.dtype
+    R = lora[0].shape[1] if lora else 0
+    kw = dict(gather=order, gather_div=K) if gather else {}
+    y, xa = torch.empty(P, O, device=dev, dtype=dt), (torch.empty(P, R, device=dev, dtype=dt) if lora else None)
+
+    def lean_fn():
+        if lora:
+            gg.gmm(xa, x, lora[0], offsets, **kw)
+        gg.gmm(y, x, w, offsets, **kw, lora=(xa, lora[1], s) if lora else None)
+
+    xg = x[order.long() // K].contiguous() if gather else x  # (P, Kd) torch's pre-gathered rows
+    ends = offsets[1:]  # (E,) int32 cumulative ends: _grouped_mm's offs
+    gm = _grouped_mm()
+
+    def grouped_fn():
+        yt = gm(xg, w.transpose(1, 2), offs=ends)  # (P, Kd) @ (E, Kd, O) -> (P, O)
+        if lora:
+            xat = gm(xg, lora[0].transpose(1, 2), offs=ends)
+            yt.add_(gm(xat, lora[1].transpose(1, 2), offs=ends), alpha=s)
+        return yt
+
+    ty, txa = torch.empty_like(y), (torch.empty_like(xa) if lora else None)
+    bounds = [(e, off[e], off[e + 1]) for e in range(E) if off[e + 1] > off[e]]
+
+    def loop_fn():
+        for e, lo, hi in bounds:
+            torch.mm(xg[lo:hi], w[e].t(), out=ty[lo:hi])
+            if lora:
+                torch.mm(xg[lo:hi], lora[0][e].t(), out=txa[lo:hi])
+                ty[lo:hi].addmm_(txa[lo:hi], lora[1][e].t(), alpha=s)
+
+    lean_fn()
+    B.sync()
+    f64 = lambda t: t.to(torch.float64)  # noqa: E731
+    xa_ref = ref_mod.gmm_ref(f64(x), f64(lora[0]), offsets, **kw) if lora else None
+    y_ref = ref_mod.gmm_ref(f64(x), f64(w), offsets, **kw, lora=(xa_ref, f64(lora[1]), s) if lora else None)
+    err = rel_err([(y, y_ref)] + ([(xa, xa_ref)] if lora else []))
+    del xa_ref
+    flops = 2.0 * P * O * Kd + (2.0 * P * R * (Kd + O) if lora else 0.0)
+    e = x.element_size()  # bytes: x's rows once (N unique rows when gathered), every expert's weights, y
+    nbytes = e * (x.shape[0] * Kd + E * O * Kd + P * O + (E * R * (Kd + O) + 2 * P * R if lora else 0))
+    shape = f"{c['shape']} O{O} K{Kd}" + (" gather" if gather else "")
+    lean_ms = B.time_graph(lean_fn)
+    for base, torch_ms, note in _moe_baselines(B, y_ref, [("torch._grouped_mm", gm and grouped_fn, None),
+                                                            ("cuBLAS per-expert loop", loop_fn, lambda: ty)]):
+        B.add(name, shape, lean_ms, flops=flops, bytes_=nbytes, torch_ms=torch_ms, baseline=base, err=err,
+              note=f"torch on pre-gathered rows; {note}" if gather else note)
+
+
+def _moe_wgrad_case(c, name, a, b, gather_a, gather_b, scale):
+    """dw (E, M, Kd) fp32 += s * sum over expert e's rows of (w_p a[ra(p)])^T b[rb(p)]: lean's
+    gmm_wgrad vs torch on rows gathered and scaled (by w_p and the LoRA scale) before timing,
+    writing dw in the inputs' dtype (torch._grouped_mm's 2-D x 2-D form, offs over the reduced rows)."""
+    B, gg, offsets, off, order, K, s = (c[k] for k in ("B", "gg", "offsets", "off", "order", "K", "s"))
+    ref_mod = reference("grouped_gemm")
+    M, Kd, E = a.shape[1], b.shape[1], len(off) - 1
+    P, dev, dt = order.numel(), B.device, B.dtype
+    src = order.long() // K
+    kw = dict(gather_a=order if gather_a else None, gather_b=order if gather_b else None, gather_div=K,
+              scale=scale, alpha=s)
+    dw = torch.zeros(E, M, Kd, device=dev, dtype=torch.float32)
+    lean_fn = lambda: gg.gmm_wgrad(dw, a, b, offsets, **kw)  # noqa: E731
+    ag = a[src] if gather_a else a
+    if scale is not None:  # w_p a rounded to a's dtype, as the kernel does; s = 2 is exact
+        vec, idx = scale
+        ag = (ag.float() * vec[idx.long()].float()[:, None]).to(dt)
+    ag = (ag * s).contiguous()  # (P, M)
+    bg = (b[src] if gather_b else b).contiguous()  # (P, Kd)
+    ends = offsets[1:]
+    gm = _grouped_mm()
+    grouped_fn = lambda: gm(ag.t(), bg, offs=ends)  # noqa: E731  (M, P) @ (P, Kd) per group -> (E, M, Kd)
+    tw = torch.zeros(E, M, Kd, device=dev, dtype=dt)
+    bounds = [(e, off[e], off[e + 1]) for e in range(E) if off[e + 1] > off[e]]
+
+    def loop_fn():
+        for e, lo, hi in bounds:
+            torch.mm(ag[lo:hi].t(), bg[lo:hi], out=tw[e])
+
+    lean_fn()
+    B.sync()
+    ref = ref_mod.gmm_wgrad_ref(a, b, offsets, **kw)  # fp64
+    err = rel_err([(dw, ref)])
+    rows_a, rows_b = (a.shape[0] if gather_a else P), (b.shape[0] if gather_b else P)  # N unique rows where gathered
+    nbytes = a.element_size() * (rows_a * M + rows_b * Kd) + 8 * E * M * Kd  # a, b read once; dw fp32 read + written
+    shape = f"{c['shape']} M{M} K{Kd}" + " gather" * (gather_a or gather_b) + " scaled" * (scale is not None)
+    lean_ms = B.time_graph(lean_fn)
+    for base, torch_ms, note in _moe_baselines(B, ref, [("torch._grouped_mm", gm and grouped_fn, None),
+                                                         ("cuBLAS per-expert loop", loop_fn, lambda: tw)]):
+        B.add(name, shape, lean_ms, flops=2.0 * P * M * Kd, bytes_=nbytes, torch_ms=torch_ms, baseline=base,
+              err=err, note=f"torch: pre-gathered/scaled rows, dw in their dtype (lean: += fp32); {note}")
+
+
+# =============================================================================================
 # memory-bound ops vs torch eager: rmsnorm (+residual), rope, swiglu, embedding
 # =============================================================================================
 def _bench_eager(B, kernel, lean_fn, torch_fn, nbytes, shape, err, note=""):
@@ -741,6 +945,7 @@ KERNELS = {
     "attention": bench_attention,
     "gemm": bench_gemm,
     "lora_linear": bench_lora_linear,
+    "moe_gmm": bench_moe,
     "rmsnorm": bench_rmsnorm,
     "rope": bench_rope,
     "swiglu": bench_swiglu,

@@ -97,6 +97,7 @@ class StepGraph:
         with tma_at_every_size():  # Hopper: TMA GEMMs for every projection (host cost paid once)
             self._warm_up()
             self._graph, self._loss = self._capture()
+        self.moe = model.cache.get("moe")  # an MoE model's per-step buffers the replays write (expert load)
 
     def pack(self, docs, vocab=None):
         """lean.pack with this graph's fixed shapes, on the host (step() does the one copy)."""

@@ -16,7 +16,8 @@ on a GPU in batches of max_tokens, on the CPU in one batch (the interpreter's co
 
 Outputs in out_dir:
   metrics.jsonl   one JSON line per step {"kind": "train", "step", "loss", "lr", "grad_norm",
-                  "tokens", "tokens_per_s", "seconds"} and per evaluation {"kind": "eval", "step",
+                  "tokens", "tokens_per_s", "seconds"; MoE models: "expert_load_max", "_mean",
+                  "_max_over_mean", and "aux_loss" when on} and per evaluation {"kind": "eval", "step",
                   "loss", "targets"}; appended to on resume, after the records of steps past
                   the checkpoint (logged by a run killed before its next save) are dropped
   checkpoint/     every save_every steps, on Ctrl-C and on OOM: the LoRA params, AdamW state and
@@ -355,6 +356,23 @@ class Before:
         return ev[0]
 
 
+def expert_load(moe, cfg):
+    """An MoE model's expert load in the step's (last) batch, for the metrics: the tokens each
+    expert got, averaged over the MoE layers; their max and mean over the experts, and the ratio (1.0 = perfectly balanced; a
+    captured step's padding tokens count too). With the load-balancing loss on, its value. {} for a
+    dense model."""
+    if moe is None:
+        return {}
+    counts = moe.counts.tolist()  # sync: log point
+    L = max(len(cfg.moe_layers), 1)
+    mean = sum(counts) / len(counts) / L
+    out = {"expert_load_max": max(counts) / L, "expert_load_mean": mean,
+           "expert_load_max_over_mean": max(counts) / L / mean if mean else 0.0}
+    if moe.aux is not None:
+        out["aux_loss"] = moe.aux.item()  # sync: log point
+    return out
+
+
 def default_plan(cfg, model, lora, free):
     """Without --vram-budget on a GPU the budget is the memory the card had free when the run started
     (`free` bytes, before the weights loaded): None (keep every activation, no planning) when a step
@@ -502,10 +520,13 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             tokens_total += n_tokens
             elapsed = time.time() - t_start
             eta = elapsed / (step - done_at_start) * (cfg.steps - step)
+            load = expert_load(graph.moe if fixed is not None else model.cache.get("moe"), model.config)
             metrics.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt})
+                      "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt,
+                      **load})
             mem = f" mem {torch.cuda.max_memory_allocated() / 2**30:.2f}GiB" if device.startswith("cuda") else ""
-            progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem} eta {eta:.0f}s")
+            moe = f" experts max/mean {load['expert_load_max_over_mean']:.2f}" if load else ""
+            progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem}{moe} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
                 eval_loss, n = evaluate(model, lora, eval_batches, show=cfg.progress)
                 metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})

@@ -7,6 +7,7 @@
     python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
     python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
     python tools/bench.py step --graph [--budget G] --peers ""   # lean and lean+graph only
+    python tools/bench.py step --graph --models qwen3-30b-a3b --layouts packed [--layers N]   # MoE, cut
     python tools/bench.py step --graph --portable  # lean's rows on the Hopper and the portable path too
     python tools/bench.py step --profile [--graph]  # lean's GPU time per kernel family (bench_profile.py)
 
@@ -1050,8 +1051,10 @@ def main():
     k.add_argument("--json", help="write the rows to this path")
     k.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, no timings")
     st = sub.add_parser("step", help="one LoRA optimizer step over 8192 tokens: lean and its peers")
-    st.add_argument("--models", help="comma-separated, from qwen3-0.6b,llama-3.2-1b,qwen3-8b "
+    st.add_argument("--models", help="comma-separated, from qwen3-0.6b,llama-3.2-1b,qwen3-8b,qwen3-30b-a3b "
                     "(default qwen3-0.6b,llama-3.2-1b; --smoke: qwen3-0.6b)")
+    st.add_argument("--layers", type=int, help="cut every model to its first N layers (default: all, but "
+                    "qwen3-30b-a3b 16 of 48: bench_step.DEFAULT_LAYERS)")
     st.add_argument("--layouts", help="packed,padded (default both; --smoke: packed)")
     st.add_argument("--peers", default="hf,liger,unsloth", help="comma-separated peers run beside lean")
     st.add_argument("--steps", type=int, help="timed steps after the warm-up (default 8; --smoke: 1)")
@@ -1079,7 +1082,8 @@ def main():
             return cmd_profile(models, layouts, args)
         steps = args.steps or (1 if args.smoke else 8)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
-                        smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable)
+                        smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable,
+                        n_layers=args.layers)
         return
     cmd_kernels(args)
 

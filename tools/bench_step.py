@@ -48,6 +48,12 @@ lean's rows (the child runs them in one process, eager first):
               gradient checkpointing (use_gradient_checkpointing="unsloth"), PEERS.md's memory-bound
               setting; HF and Liger ignore it.
 
+MoE models (qwen3-30b-a3b): run cut to DEFAULT_LAYERS (16 of 48 layers; `--layers N` sets another
+cut, for every model named), the note says so; the LoRA targets are the attention's q,k,v,o and
+each expert's gate_up and down (lean's "all"); useful FLOPs count the active parameters (router
+and k experts); --budget does not apply (the planner does not price MoE layers yet); the peers are
+skipped with the reason (MOE_PEER_SKIP).
+
 Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
 fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
 Caution: --smoke numbers are CPU wall clock on tiny configs; they test the harness, not speed.
@@ -81,13 +87,47 @@ LAYOUTS = ("packed", "padded")
 # --smoke: the same architecture and tying, tiny sizes (lean's interpreter runs them in seconds).
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=256)
+_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # and E, k, F of one expert
+# Models cut to their first N layers by default (--layers N overrides, for every model named; the row's
+# note says "N of L layers"). Qwen3-30B-A3B's 48 layers do not fit one 80 GB H100 without offload (and
+# lean's planner does not price MoE layers yet). Per layer, bf16 and 8192 tokens: frozen weights 1.25 GB
+# (experts 128 x 3 x 2048 x 768 x 2 B = 1.21 GB, attention 0.04), expert LoRA r 16 (gate_up rank 32)
+# 20.4M parameters x 18 B (fp32 param, grad, AdamW m and v; bf16 copy) = 0.37 GB, saved activations
+# ~0.5 GB (attention rows 0.3, the expert rows h (P, 2F) 0.2): ~2.1 GB, plus ~2.5 GB for the untied
+# embedding and lm_head and the step's transients. 16 layers: ~36 GB peak for the eager row; the graph
+# row's private pool holds a second set of activations and its bit-equality check copies the LoRA and
+# AdamW state, ~50 GB in all. 24 layers would be ~75 GB in that check: too near the 80 GB.
+DEFAULT_LAYERS = {"qwen3-30b-a3b": 16}
+LAYERS_ENV = "BENCH_STEP_LAYERS"  # --layers N, seen by the row processes (bench_peers.py) too
 
 
 def model_config(name, smoke=False):
-    """The HF config dict of a bench model (tiny under smoke). Raises KeyError naming the choices."""
+    """The HF config dict of a bench model (tiny under smoke), cut to layers(name) layers. Raises
+    KeyError naming the choices."""
     if name not in CONFIGS:
         raise KeyError(f"unknown model {name!r}: bench step knows {', '.join(CONFIGS)}")
-    return {**CONFIGS[name], **_TINY} if smoke else dict(CONFIGS[name])
+    cfg = dict(CONFIGS[name])
+    if smoke:
+        cfg.update(_TINY, **(_TINY_MOE if "num_experts" in cfg else {}))
+    cfg["num_hidden_layers"] = min(cfg["num_hidden_layers"], layers(name) or cfg["num_hidden_layers"])
+    return cfg
+
+
+def layers(name):
+    """The layer cut of a model: --layers N ($BENCH_STEP_LAYERS), else DEFAULT_LAYERS; None = all."""
+    n = os.environ.get(LAYERS_ENV)
+    return int(n) if n else DEFAULT_LAYERS.get(name)
+
+
+def layers_note(name, smoke=False):
+    """'16 of 48 layers' when the bench cuts the model, else ''."""
+    full = {**CONFIGS[name], **(_TINY if smoke else {})}["num_hidden_layers"]
+    n = model_config(name, smoke)["num_hidden_layers"]
+    return f"{n} of {full} layers" if n < full else ""
+
+
+def is_moe(name):
+    return "num_experts" in CONFIGS[name]
 
 
 def doc_lengths(layout, total=TOKENS, seed=0):
@@ -104,10 +144,12 @@ def doc_lengths(layout, total=TOKENS, seed=0):
 
 def useful_flops(cfg, lens):
     """PEERS.md's rule: 4 x matmul params per token (lm_head once) + causal attention, forward
-    once and backward twice. cfg: lean's ModelConfig."""
+    once and backward twice. An MoE layer counts its active parameters: the router (E x C) and k
+    experts of width moe_intermediate, not intermediate_size. cfg: lean's ModelConfig."""
     C, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
-    per_layer = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C + 3 * C * F
-    matmul_params = cfg.n_layers * per_layer + V * C
+    attn = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C
+    moe = cfg.n_experts * C + cfg.top_k * 3 * C * cfg.moe_intermediate
+    matmul_params = sum(attn + (moe if cfg.is_moe(i) else 3 * C * F) for i in range(cfg.n_layers)) + V * C
     tokens = sum(lens)
     attn_fwd = sum(4 * (L * (L + 1) / 2) * cfg.head_dim * cfg.n_heads for L in lens) * cfg.n_layers
     return 4 * matmul_params * tokens + 3 * attn_fwd
@@ -234,6 +276,7 @@ def run_lean_graph(lean, model, lora, opt, docs, warmup, steps, plan=None):
     n_tokens = sum(len(d) for d in docs[0])
     max_docs = MAX_DOCS * -(-(len(docs[0]) + 1) // MAX_DOCS)  # a slot for the padding document too
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's private pool cannot reuse them
     torch.cuda.reset_peak_memory_stats()
     graph = make_step_graph(lean, model, lora, opt, n_tokens, max_docs, plan)
     peak = torch.cuda.max_memory_allocated()
@@ -355,6 +398,8 @@ def finish_row(row, framework, model, layout, rate, smoke):
                layout=layout)
     if row.get("checkpointing"):
         row["note"] = ("CHECKPOINTING ON (not the bench's work) " + row["note"]).strip()
+    if row["status"] == "ok" and layers_note(model, smoke):
+        row["note"] = " ".join(filter(None, [layers_note(model, smoke), row["note"]]))
     if row["status"] == "ok":
         lens = doc_lengths(layout, row["tokens"])
         t = row["ms"] / 1e3
@@ -408,11 +453,17 @@ def write_json(path, rows, rate, device, smoke):
 
 
 def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=8, json_path=None,
-         graph=False, smoke=False, timeout=300, budget=None, portable=False):
+         graph=False, smoke=False, timeout=300, budget=None, portable=False, n_layers=None):
     """Run every (model, layout) x (lean, peers) row, each in its own process; print the table.
     graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB;
-    portable: lean's rows once more with LEAN_PORTABLE=1 ("lean portable", "lean+graph portable")."""
+    portable: lean's rows once more with LEAN_PORTABLE=1 ("lean portable", "lean+graph portable");
+    n_layers: every model cut to its first n_layers layers (default DEFAULT_LAYERS)."""
     import importlib.util
+
+    if n_layers is not None:
+        if n_layers < 1:
+            raise SystemExit(f"bench step: --layers {n_layers}: expected >= 1")
+        os.environ[LAYERS_ENV] = str(n_layers)  # the row processes inherit it
 
     unknown = [f for f in peers if f not in FRAMEWORKS] + [m for m in models if m not in CONFIGS] + \
         [la for la in layouts if la not in LAYOUTS]
@@ -433,6 +484,8 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
                 suffix, env = (" portable", {"LEAN_PORTABLE": "1"}) if fw == "lean portable" else ("", None)
                 if fw.startswith("lean"):
                     raw = run_child("lean", m, layout, steps, warmup, smoke, graph, timeout, budget, env)
+                elif is_moe(m):
+                    raw = dict(status="skipped", note=MOE_PEER_SKIP)
                 elif not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
                     raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
                 else:
@@ -451,6 +504,10 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
         print()
         print(fmt_portable(rows))
     return rows
+
+
+MOE_PEER_SKIP = ("skipped on MoE: bench_peers.py adapts the 7 dense projections; the experts need PEFT's "
+                 "target_parameters")  # the peers' MoE rows: the MoE speed issue
 
 
 def fmt_portable(rows):

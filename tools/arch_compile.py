@@ -107,9 +107,11 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     big = _meta_batch(docs, tokens)
     graph_batch = _meta_batch(docs, tokens, pad_to=tokens, max_docs=64)
     small = _meta_batch([rng.integers(0, cfg.vocab, n).tolist() for n in (37, 1, 122)], 160)
+    moe = bool(cfg.moe_layers)
     with Recorder() as rec:
-        for dropout in (0.0, 0.1):
-            lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=dropout, seed=0)
+        for dropout in (0.0, 0.1):  # LoRA dropout is for the projections only (never the experts)
+            targets = "q,k,v,o" if moe and dropout else "all"
+            lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=dropout, seed=0)
             opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
             lean.forward_backward(model, lora, big)
             lean.forward_backward(model, lora, small)
@@ -121,6 +123,10 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         lean.forward_backward(model, lora, big, plan=plan)
         lean.loss_eval(model, lora, big)
         lean.forward(model, lora, small)
+        if moe:  # the load-balancing loss (off in the preset): router probability sums and moe_aux
+            aux = empty_model(config_from_hf({**hf_config, "num_hidden_layers": 2, "output_router_logits": True}),
+                              dtype, META)
+            lean.forward_backward(aux, lean.LoRA.init(aux, r=16, alpha=32, seed=0), big)
         # generation: a 12-token prompt, then one token at position 12
         ctx = Ctx(cu_seqlens=None, max_seqlen=0, cos=None, sin=None, eps=cfg.rms_eps, attn_scale=0.125,
                   lora_scale=lora.scale, dropout=0.0, seed=0)

@@ -11,11 +11,13 @@ tokens, lr, ... sized for the device) fills every flag not given; otherwise Trai
 (settings.py; --help prints each range); the run holds --out's lock through the merge. Errors
 (ConfigError, TrainError, DataError, ModelLoadError, OSError, ...) exit with status 2 and one line:
 the cause and the fix; Ctrl-C saves a checkpoint and exits with status 130, saying what is saved
-and what to run next. Data warnings print as one "lean-train: warning:" line. Without a GPU,
+and what to run next; SIGTERM (kill, timeout, a scheduler stopping the job) does the same and
+exits with status 143. Data warnings print as one "lean-train: warning:" line. Without a GPU,
 numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse
 import importlib.util
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -161,8 +163,8 @@ def merge_run(cfg, adapter_dir):
 
 
 def main(argv=None) -> int:
-    """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C
-    (one line: what is saved and what to run next)."""
+    """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C,
+    143 SIGTERM (one line: what is saved and what to run next)."""
     from .kernels.arch import UnsupportedGPU
     from .runtime.checkpoint import RunLock
     from .runtime.interp import one_blas_thread
@@ -173,6 +175,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     show = warnings.showwarning
     warnings.showwarning = _data_warnings_as_lines(show)
+    terminated = []
+    term = _sigterm_as_interrupt(terminated)
     try:
         cfg = config_from_args(args)
         check_config(cfg)  # before anything loads or is written
@@ -182,9 +186,9 @@ def main(argv=None) -> int:
             metrics = train(cfg)
             merged = merge_run(cfg, metrics["adapter"]) if args.merge else None
     except KeyboardInterrupt as e:
-        print(f"lean-train: {e or 'interrupted: nothing was saved by this run; run the same command again'}",
-              file=sys.stderr)
-        return 130
+        print(f"lean-train: {'stopped by SIGTERM: ' if terminated else ''}"
+              f"{e or 'interrupted: nothing was saved by this run; run the same command again'}", file=sys.stderr)
+        return 143 if terminated else 130
     except (ValueError, TrainError, ModelLoadError, UnsupportedGPU) as e:  # DataError, LoRAError, ConfigError, ...
         print(f"lean-train: error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +198,8 @@ def main(argv=None) -> int:
         return 2
     finally:
         warnings.showwarning = show
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
     if merged is not None:
         print(f"lean-train: merged model in {merged}")
     if metrics.get("finished"):
@@ -205,6 +211,21 @@ def main(argv=None) -> int:
     held = "" if metrics["eval_loss"] is None else f", held-out {metrics['eval_loss']:.4f}"
     print(f"lean-train: done: step {metrics['step']}, loss {loss}{held}, adapter in {metrics['adapter']}")
     return 0
+
+
+def _sigterm_as_interrupt(terminated):
+    """SIGTERM raises KeyboardInterrupt, so a run stopped by `kill`, `timeout` or a job scheduler
+    saves its checkpoint and says so, as on Ctrl-C (the default SIGTERM ends the process at once:
+    no checkpoint since the last --save-every, no message). Returns the previous handler (None off
+    the main thread, where no handler can be set)."""
+    def handler(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
 
 
 def _data_warnings_as_lines(show):

@@ -191,6 +191,29 @@ def test_out_folder_errors_are_one_line_before_loading(tiny, tmp_path, capsys, n
     assert f.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("where", ["the data folder", "in the data folder", "the model folder"])
+def test_out_in_the_data_folder_or_the_model_folder_is_refused(tiny, tmp_path, capsys, no_loading, where):
+    """--data D --out D (or D/run): the run's metrics.jsonl, checkpoint/ and adapter/ would land in
+    the data folder, and the next run (--resume too) would read them as data; --out = the --model
+    folder would mix the run's files with the model's. Refused in one line, nothing written."""
+    model, data, _ = tiny
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(data, folder / "a.jsonl")
+    out = {"the data folder": folder, "in the data folder": folder / "run", "the model folder": model}[where]
+    args = _args(tiny, out, "--steps", "1")
+    args[args.index("--data") + 1] = str(folder)
+    before = {p: sorted(x.name for x in p.rglob("*")) for p in (folder, model)}
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    expected = {"the data folder": f"--out {out} is the --data folder",
+                "in the data folder": f"--out {out} is inside the --data folder {folder}",
+                "the model folder": f"--out {out} is the --model folder"}[where]
+    assert expected in err, err
+    assert {p: sorted(x.name for x in p.rglob("*")) for p in (folder, model)} == before
+
+
 # ---------------------------------------------------------------- finished runs, held-out set
 
 def test_finished_run_merges_with_resume_and_eval_shows_progress(tiny, tmp_path, capsys):
@@ -249,6 +272,47 @@ def test_ctrl_c_messages_say_what_is_saved(tiny, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert f"interrupted while loading, before anything was written to {tmp_path / 'c'}" in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_sigterm_saves_a_checkpoint_and_says_so(tiny, tmp_path):
+    """`kill PID` (SIGTERM: timeout, a scheduler stopping the job) after step 1 with --save-every 0:
+    like Ctrl-C, the checkpoint of the last completed step is saved and one line says so (exit
+    143); the default SIGTERM ended the process silently with nothing to --resume."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lean.cli", *_args(tiny, out, "--steps", "50", "--save-every", "0", "--quiet")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and '"kind": "train"' in (out / "metrics.jsonl").read_text(),
+                  "step 1", p)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, (p.returncode, err[-2000:])
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(r"stopped by SIGTERM: interrupted after step \d+: checkpoint of step \d+ saved in .*--resume", err), err
+    assert (out / "checkpoint" / "state.json").is_file()
+
+
+def test_a_full_disk_is_one_line_naming_the_file(tiny, tmp_path, capsys, monkeypatch):
+    """safetensors raises its own SafetensorError on a full disk (no OSError, no errno): it was a
+    traceback; now the run's one-line error names the file and says to free disk space. An
+    OSError with no path (a write's ENOSPC) names the run folder."""
+    from safetensors import SafetensorError
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(_args(tiny, tmp_path / "run", "--steps", "1", "--quiet")) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(r"adapter_model.safetensors: No space left on device: free disk space", err), err
+    assert "writing in /some/run: No space left on device" in T.os_error_text(OSError(28, "No space left on device"),
+                                                                           Path("/some/run"))
 
 
 def test_cut_off_tokenizer_json_is_named(tiny, tmp_path):

@@ -336,7 +336,7 @@ def _fsync(path):
 def save_checkpoint(out_dir, lora, opt, state: dict):
     """Write out_dir/checkpoint atomically: a temp folder, flushed to the disk, then renamed into
     place; the previous checkpoint (checkpoint.old meanwhile) goes only once the renames are on disk."""
-    from safetensors.torch import save_file
+    from .lora import save_tensors
 
     out_dir = Path(out_dir)
     final, tmp, old = out_dir / CHECKPOINT, out_dir / f"{CHECKPOINT}.tmp-{os.getpid()}", out_dir / f"{CHECKPOINT}.old"
@@ -346,7 +346,7 @@ def save_checkpoint(out_dir, lora, opt, state: dict):
         lora.save(tmp / "adapter")
         tensors = {"params": lora.params, "m": opt.m, "v": opt.v}
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # sync: save point
-        save_file(tensors, str(tmp / "state.safetensors"))
+        save_tensors(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         for p in sorted(tmp.rglob("*"), reverse=True) + [tmp]:  # files before their folders
             _fsync(p)

@@ -297,12 +297,10 @@ class LoRA:
 
     def save(self, adapter_dir):
         """Write adapter_config.json + adapter_model.safetensors atomically (temp file, then rename)."""
-        from safetensors.torch import save_file
-
         d = Path(adapter_dir)
         d.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}  # sync: save point
-        _atomic_write(d / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        _atomic_write(d / ADAPTER_WEIGHTS, lambda p: save_tensors(tensors, p, {"format": "pt"}, d / ADAPTER_WEIGHTS))
         _atomic_write(d / ADAPTER_CONFIG, lambda p: Path(p).write_text(json.dumps(self.peft_config(), indent=2)))
 
 
@@ -366,6 +364,25 @@ def _key(tensors, key):
         return key
     alt = key.replace(".weight", ".default.weight")
     return alt if alt in tensors else None
+
+
+def save_tensors(tensors, path, metadata=None, shown=None):
+    """safetensors' save_file, its I/O failures (a full disk, say) raised as the OSError they are,
+    naming `shown` (default: path): safetensors raises its own SafetensorError, which is no
+    OSError and carries no errno, so lean-train's one-line error for the run's files missed it."""
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None:
+            raise
+        n = int(m.group(1))
+        raise OSError(n, os.strerror(n), str(shown or path)) from e
 
 
 def _atomic_write(path, write):

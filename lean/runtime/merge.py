@@ -48,7 +48,7 @@ def merged_tensors(model, lora, dtype):
 
 def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None, overwrite=False):
     """Write model + adapter, merged, as an HF folder at out_dir; returns its path."""
-    from safetensors.torch import save_file
+    from .lora import save_tensors
 
     if dtype not in DTYPES:
         raise ValueError(f"merge dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -65,8 +65,7 @@ def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None, over
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        save_file(merged_tensors(model, lora, DTYPES[dtype]), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_tensors(merged_tensors(model, lora, DTYPES[dtype]), tmp / "model.safetensors", {"format": "pt"})
         for name in COPIED:
             if (src / name).exists():
                 shutil.copy2(src / name, tmp / name)

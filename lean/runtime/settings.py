@@ -5,8 +5,9 @@
 
 Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
 --steps, the LoRA targets, --dtype and --device against this machine, --resume with --overwrite,
-empty --out/--model/--data/--sample-prompt, and that --model and --data paths that look local
-exist (a hub id is fetched later). Nothing is read or written here beyond a stat of the paths.
+empty --out/--model/--data/--sample-prompt, that --model and --data paths that look local exist
+(a hub id is fetched later), and an --out that is or lies in the --data folder, or is the
+--model folder. Nothing is read or written here beyond a stat of the paths.
 Tested: tests/test_cli_guard.py (each bad value refused before anything loads, --help lists them).
 """
 import math
@@ -99,6 +100,7 @@ def check_config(cfg):
     _check_targets(cfg.targets)
     _check_device_dtype(cfg.device, cfg.dtype)
     _check_paths(cfg.model, cfg.data)
+    _check_out(cfg.out_dir, cfg.model, cfg.data)
 
 
 def _check_targets(targets):
@@ -138,6 +140,23 @@ def _check_device_dtype(device, dtype):
     if dtype == "bfloat16":
         raise ConfigError("--dtype bfloat16 on the CPU: Triton's interpreter does not compute bfloat16 "
                           "right; use float32 (the CPU default) or float16, or a CUDA GPU")
+
+
+def _check_out(out, model, data):
+    """An --out that is the --data folder or lies inside it (the run's metrics.jsonl, checkpoint/
+    and adapter/ would be read as data: the next run, --resume too, fails on them or trains on
+    them), or that is the --model folder (the run's files would mix with the model's)."""
+    def resolved(p):
+        return Path(os.path.expanduser(str(p))).resolve()
+
+    o, d, m = resolved(out), resolved(data), resolved(model)
+    if d.is_dir() and (o == d or d in o.parents):
+        where = "the --data folder" if o == d else f"inside the --data folder {data}"
+        raise ConfigError(f"--out {out} is {where}: the run's files (metrics.jsonl, checkpoint/, adapter/) "
+                          "would be read as data by the next run; pass an --out outside it")
+    if m.is_dir() and o == m:
+        raise ConfigError(f"--out {out} is the --model folder: the run's files would mix with the model's; "
+                          "pass another --out")
 
 
 def _check_paths(model, data):

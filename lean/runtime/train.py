@@ -217,14 +217,16 @@ def train(cfg: TrainConfig) -> dict:
         try:
             return _train(cfg, out)
         except OSError as e:  # the run's files (or a cache): name the path and the fix
-            raise TrainError(f"{os_error_text(e)}; {kept(out)}") from e
+            raise TrainError(f"{os_error_text(e, out)}; {kept(out)}") from e
 
 
-def os_error_text(e: OSError) -> str:
-    """'path: what went wrong: the fix' for an OSError on a file the run reads or writes."""
+def os_error_text(e: OSError, folder=None) -> str:
+    """'path: what went wrong: the fix' for an OSError on a file the run reads or writes (one
+    without a path, a write's ENOSPC say, names the folder it was in where that is known)."""
     import errno
 
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f) or "a file of the run"
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f) or (
+        f"writing in {folder}" if folder is not None else "a file of the run")
     fix = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota)",
            errno.EACCES: "fix its permissions or use another path", errno.EPERM: "fix its permissions or use another path",
            errno.EROFS: "the disk is read-only: use another path", errno.ENOTDIR: "a file is in the way of a folder: move it",

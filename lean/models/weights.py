@@ -7,9 +7,10 @@ The HF-name map is explicit (gpt-fast style): every tensor a checkpoint must hol
 with its shape, and the loader refuses anything missing, unexpected or mis-shaped.
 
 A Mixture-of-Experts layer (Qwen3-MoE) holds each kind of expert weight as one (E, ...) view of the
-layer's buffer, in the layout transformers 5 writes (checked in transformers 5.24 on the CPU and
-5.17 on the device: Qwen3MoeExperts.gate_up_proj (E, 2Fe, C), gate rows first, `gate, up =
-linear(x, gate_up_proj[e]).chunk(2, dim=-1)`; down_proj (E, C, Fe)):
+layer's buffer, in the layout transformers 5 writes (transformers 5.24 on the CPU:
+Qwen3MoeExperts.gate_up_proj (E, 2Fe, C), gate rows first, `gate, up =
+linear(x, gate_up_proj[e]).chunk(2, dim=-1)`; down_proj (E, C, Fe); transformers 5.17's on the
+device, through tests/test_moe_gpu.py, which loads HF's own state dict and matches its step):
 
     router      mlp.gate.weight               (E, C)
     gate_up     mlp.experts.gate_up_proj      (E, 2Fe, C)   [e, :Fe] gate, [e, Fe:] up

@@ -1,6 +1,7 @@
 """The activation plan: every tensor a layer saves, its policy per layer, and the step's predicted peak.
 
-Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab.
+Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab;
+MoE layers (Qwen3-MoE): E experts, K experts per token, P = N*K slots, Fe one expert's MLP width.
 act = the model's compute dtype (2 bytes for bf16).
 
 What one layer's forward saves for its backward (dense.Saved, field for field):
@@ -21,10 +22,27 @@ What one layer's forward saves for its backward (dense.Saved, field for field):
 | lse    | (H, N)       | fp32  | attention log-sum-exp                          |
 | mid    | (N, C)       | act   | x + attention block output                     |
 | rstd2  | (N,)         | fp32  | 1/rms of mid                                   |
-| gate   | (N, F)       | act   | gate projection (overwritten by its gradient)  |
-| up     | (N, F)       | act   | up projection (overwritten by its gradient)    |
-| moe    | -            | -     | an MoE layer's moe.MoeSaved (routing, expert rows); not priced yet: |
-|        |              |       | planner.plan_for refuses MoE models, whose layers keep every row    |
+| gate   | (N, F)       | act   | gate projection (overwritten by its gradient); dense-MLP layers only |
+| up     | (N, F)       | act   | up projection (overwritten by its gradient); dense-MLP layers only   |
+| moe    | MOE_PLAN     | -     | an MoE layer's moe.MoeSaved (below); 0 bytes on a dense-MLP layer    |
+
+An MoE layer's block saves (moe.MoeSaved, field for field; MOE_PLAN):
+
+| name     | shape    | dtype | what it is                                                  |
+|----------|----------|-------|-------------------------------------------------------------|
+| logits   | (N, E)   | act   | router logits                                               |
+| weights  | (N, K)   | act   | routing weights (top-K, renormalised with norm_topk_prob)   |
+| experts  | (N, K)   | int32 | each token's K experts                                      |
+| order    | (P,)     | int32 | slot of each sorted position (grouped by expert)            |
+| slot_pos | (P,)     | int32 | sorted position of each slot                                |
+| offsets  | (E+1,)   | int32 | first sorted position of each expert                        |
+| h        | (P, 2Fe) | act   | gate | up of every slot, sorted (overwritten by its gradient) |
+| xa_gu    | (P, 2R)  | act   | the experts' gate_up LoRA rows (with that adapter)          |
+| xa_d     | (P, R)   | act   | the experts' down LoRA rows (with that adapter)             |
+
+Each layer is priced as its kind (cfg.is_moe) with its own LoRA targets (lora.layer_targets: an
+MoE model adapts its experts for gate/up/down, and its dense-MLP layers' MLP not at all), so
+row_bytes, layer_bytes and mode_bytes take the layer index and the user's targets.
 
 Not in the table, never saved: n1 = rmsnorm(x) w_in (q/k/v's input), n2 = rmsnorm(mid) w_post
 (gate/up's) and act = silu(gate) up (down's). Their one use in backward is the LoRA dA; the
@@ -44,6 +62,12 @@ projection (dense.layer_forward(rebuild=...)), whose outputs backward never read
 | offload    | offload | recompute | keep | recompute       | xa (one reload buffer)    | the same; copies overlap        |
 | offload_up | offload | offload   | keep | recompute       | xa (one reload buffer)    | as offload, without up's GEMM   |
 
+On an MoE layer the moe row (every MoeSaved field, the expert LoRA rows xa_gu / xa_d too) follows
+"every other row": kept in keep, rebuilt otherwise (the rebuild reruns the routing, the grouping
+and gate_up, and counts no slot twice). An MoE layer has no up row, so offload_up there is
+offload: make_plan writes it so (layer_modes), the planner's candidates that differ only there are
+one plan, and the scheduler gives MoE layers no up slot.
+
 The planner (lean/runtime/planner.py) picks the modes, and for an untied model whether the frozen
 embedding table lives in pinned host memory (Plan.embed_host: its weights leave the GPU's count,
 its per-step gather is priced by embed_gather_cost); this module prices and sizes a given plan.
@@ -60,12 +84,15 @@ with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's rese
 memory and its 512-byte rounding are not counted).
 
 Errors: PlanError for modes that do not match the model (and, from the planner, when no plan fits).
-Tested: tests/test_offload.py (CPU: the walk equals the bytes allocated during a step, allocation
-by allocation; the plan's kept bytes equal what the tape holds) and
-tests/test_step.py (the table names exactly what a layer saves). GPU (H100): measured peak <=
-budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md).
-Caution: the kernel scratch rules below mirror kernels/lora_linear.py and kernels/linear_ce.py;
-the CPU test fails when they drift apart.
+Tested: tests/test_offload.py (CPU: the walk's peak equals the bytes allocated during a step, dense
+and Qwen3-MoE models in every mode, the MoE ones with a dense layer mixed in and the aux loss on;
+the plan's kept bytes equal what the tape holds) and tests/test_step.py (the tables name exactly
+what a dense and an MoE layer save). GPU (H100): measured peak <=
+budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md; dense models: MoE
+plans are not measured on a GPU yet).
+Caution: the kernel scratch rules below mirror kernels/lora_linear.py, kernels/linear_ce.py,
+kernels/moe_group.py and kernels/moe_route.py, and the MoE events models/moe.py's order; the CPU
+test fails when they drift apart (where they make the peak).
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -448,7 +475,8 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
     grads = {r.name: rb(r) for r in GRADS}
     rows = {r.name: rb(r) for r in PLAN + FORWARD_EXTRA}
     xb, xab = rows["x"], rows["xa"]  # xb: one (N, C) activation
-    rows.update({"n1": xb, "n2": xb, "a": xb}, **{"xa:" + t: xab // max(n_xa, 1) for t in ts if t not in EXPERT_TARGETS})
+    rows.update({"n1": xb, "n2": xb, "a": xb},
+                **{"xa:" + t: xab // max(n_xa, 1) for t in ts if t not in EXPERT_TARGETS})
     if moe:
         rows.update({r.name: rb(r) for r in MOE_PLAN + MOE_EXTRA}, m=xb, dn2=grads["dn2"],
                     **moe_scratch(cfg, N, act_bytes))
@@ -490,7 +518,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
     for li, mode in enumerate(modes):
         prev, k = modes[li - 1] if li else None, kind(li)
         inputs = xb if li == 0 else xb + (0 if prev == KEEP else xb)  # s (layer 0: x), d, and s = mid unless kept
-        pending = kind(li - 1).sent[prev] if li else 0  # the previous layer's offloaded rows, until their copy is retired
+        pending = kind(li - 1).sent[prev] if li else 0  # the previous layer's offloaded rows, until retired
         run(f"forward of layer {li}", held + pending + inputs,
             forward_events(cfg, k.targets, KEPT_ROWS[mode], first=li == 0, moe=k.moe, aux=aux), k.rows)
         held += k.holds[mode]

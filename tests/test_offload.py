@@ -19,11 +19,12 @@ from lean.models.weights import empty_model
 from lean.runtime import offload
 from lean.runtime.plan import (
     DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates,
-    embed_gather_cost, layer_bytes, make_plan, plan_cost, row_bytes,
+    embed_gather_cost, layer_bytes, make_plan, moe_step_bytes, plan_cost, row_bytes,
 )
 from lean.runtime.planner import candidates, format_plan, ordered_modes, plan_for, plan_step
 from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
-from tests.hf_models import tiny_config
+from tests.hf_models import build_hf, tiny_config
+from tests.test_moe import moe_config
 from tests.util import fresh_generator
 
 K, R, O, U = KEEP, RECOMPUTE, OFFLOAD, OFFLOAD_UP
@@ -39,6 +40,12 @@ LLAMA_32_3B = dict(
     tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 8192},
+)
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
 )
 
 
@@ -61,8 +68,38 @@ def _model(config, gen, dtype=torch.float32, device="cpu"):
     return model
 
 
-def _lora(model, r, dropout, gen):
-    lora = lean.LoRA.init(model, r=r, alpha=2 * r, dropout=dropout, seed=_randint(gen, 2**30))
+def _moe_model(tmp_path, gen, config):
+    """A lean Qwen3-MoE model from HF's random init (as tests/test_moe.py), the router drawn N(0, 0.5)
+    (HF's zeros would tie every expert)."""
+    hf = build_hf("qwen3_moe", _randint(gen, 2**30), config=config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "model")
+    return lean.load_model(tmp_path / "model", dtype=torch.float32, device="cpu")
+
+
+def _held(records):
+    """data_ptr -> bytes of every tensor the tape's records hold (Saved, Kept, an MoE layer's MoeSaved)."""
+    held = {}
+
+    def visit(t):
+        if isinstance(t, torch.Tensor):
+            held[t.data_ptr()] = t.numel() * t.element_size()
+        elif isinstance(t, dict):
+            for u in t.values():
+                visit(u)
+        elif isinstance(t, tuple):
+            for u in t:
+                visit(u)
+    for _, saved, _ in records:
+        visit(saved)
+    return held
+
+
+def _lora(model, r, dropout, gen, targets="all"):
+    lora = lean.LoRA.init(model, r=r, alpha=2 * r, dropout=dropout, seed=_randint(gen, 2**30), targets=targets)
     lora.params.add_(0.02 * torch.randn(lora.params.shape, generator=gen, device=gen.device))
     lora.sync_lowp()
     return lora
@@ -130,31 +167,63 @@ def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
     model = _model(_tiny(arch, len(modes)), gen)
     lora = _lora(model, r, dropout, gen)
     batch = _batch(model, gen, 40 + _randint(gen, 24))
+    _bitwise_and_peak_exact(model, lora, batch, modes, r, dropout)
+
+
+def _bitwise_and_peak_exact(model, lora, batch, modes, r, dropout):
+    """A keep step and a step under `modes`: the same loss and LoRA gradients bit for bit, each
+    step's allocated peak equal to the walk's."""
     N, cfg = batch.n_tokens, model.config
     plan = make_plan(cfg, 64, modes, lora_rank=r, lora_targets=lora.targets, act_bytes=4)  # buffers for 64
     sched = offload.scheduler(model, plan, N)  # built once, before the step (as a warm-up would)
     for t in [sched.host, sched.host_up, *sched.reload, *sched.reload_up]:
         t.fill_(float("nan"))  # a skipped copy cannot pass unnoticed
     rope_tables(model, batch)  # per-batch constants, built before counting
+    moe = moe_step_bytes(cfg)  # an MoE model's per-step buffers: made by the step, held after it
 
     results = []
     for p in (None, plan):
         lora.zero_grad()
         with LiveBytes() as lb:
             loss, _ = lean.forward_backward(model, lora, batch, seed=7, plan=p)
-        results.append((loss.clone(), lora.grads.clone(), lb.peak))
+        results.append((loss.clone(), lora.grads.clone(), lb.peak,
+                        model.cache["moe"].counts.clone() if moe else None))
         predicted = make_plan(cfg, N, p.modes if p else (K,) * cfg.n_layers, lora_rank=r,
                               lora_targets=lora.targets, act_bytes=4, lora_dropout=dropout)
-        assert lb.peak == predicted.memory.activations, (
-            f"{p and p.modes}: allocated peak {lb.peak} B != predicted {predicted.memory.activations} B "
+        assert lb.peak - moe == predicted.memory.activations, (
+            f"{p and p.modes}: allocated peak {lb.peak - moe} B != predicted {predicted.memory.activations} B "
             f"(at {predicted.peak_at}): plan.py's walk and the step disagree")
-        assert lb.live == 2 * 4, f"{lb.live} B alive after the step: only the (2,) loss buffer should be"
-    (loss0, grads0, peak0), (loss1, grads1, peak1) = results
+        assert lb.live == 2 * 4 + moe, f"{lb.live} B alive after the step: only the (2,) loss buffer should be"
+    (loss0, grads0, peak0, counts0), (loss1, grads1, peak1, counts1) = results
     assert torch.isfinite(grads0).all() and grads0.abs().max() > 0
     assert torch.equal(loss0, loss1), f"loss {loss0.item()} (keep) vs {loss1.item()} (plan {modes})"
     diff = (grads0 - grads1).abs().max().item()
     assert torch.equal(grads0, grads1), f"LoRA gradients differ by up to {diff:.3e} under plan {modes}"
     assert peak1 < peak0
+    if moe:
+        assert torch.equal(counts0, counts1), "the rebuild counted the slots again"
+
+
+@pytest.mark.parametrize("config,targets,modes", [
+    # MoE, dense, MoE; all targets (the experts' gate_up and down); the dense layer's offload_up
+    (moe_config(8, 2, True, [1], layers=3), "all", (O, U, R)),
+    # dense, MoE, MoE; the aux loss on (route_topk_fwd's partials); down only; offload_up on an
+    # MoE layer runs as offload, the last layer's input offloaded
+    (moe_config(4, 1, False, [0], layers=3, output_router_logits=True), "q,k,down", (R, K, U)),
+], ids=["moe-offload-recompute", "moe-aux-keep-down-only"])
+def test_moe_offload_recompute_bitwise_and_peak_exact(tmp_path, config, targets, modes):
+    """Qwen3-MoE with a dense layer mixed in: the walk prices each layer as its kind, allocation by
+    allocation (routing, grouping scratch, expert rows), and offloaded / recomputed MoE layers give
+    the keep step's bits."""
+    gen = fresh_generator("cpu")
+    model = _moe_model(tmp_path, gen, config)
+    cfg = model.config
+    assert 0 < len(cfg.moe_layers) < cfg.n_layers
+    lora = _lora(model, 4, 0.0, gen, targets)
+    batch = _batch(model, gen, 24 + _randint(gen, 16))
+    plan = make_plan(cfg, 64, modes, lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    assert all(not (m == U and cfg.is_moe(li)) for li, m in enumerate(plan.modes)), plan.modes
+    _bitwise_and_peak_exact(model, lora, batch, modes, 4, 0.0)
 
 
 def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
@@ -166,13 +235,7 @@ def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
     sched = offload.scheduler(model, plan, batch.n_tokens)
     tape = Tape()
     _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape, plan, sched)
-    held = {}
-    for _, saved, _ in tape.records:
-        items = [saved] if isinstance(saved, torch.Tensor) else [] if saved is None else saved
-        for t in items:
-            for u in (t.values() if isinstance(t, dict) else [t]):
-                if u is not None:
-                    held[u.data_ptr()] = u.numel() * u.element_size()
+    held = _held(tape.records)
     assert [type(s).__name__ for _, s, _ in tape.records] == ["Kept", "Kept", "Kept", "Saved"]
     assert [s.x is None for _, s, _ in tape.records[:3]] == [True, True, False]
     assert sum(held.values()) == plan.kept_bytes
@@ -193,7 +256,9 @@ def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
 # ---------------------------------------------------------------------------------------------
 # The planner (arithmetic only)
 
-@pytest.mark.parametrize("config,n_layers", [(QWEN3_8B, 12), (LLAMA_32_3B, 10)], ids=["qwen3-8b", "llama-3.2-3b"])
+@pytest.mark.parametrize("config,n_layers", [
+    (QWEN3_8B, 12), (LLAMA_32_3B, 10), (QWEN3_30B_A3B | {"mlp_only_layers": [2]}, 8),
+], ids=["qwen3-8b", "llama-3.2-3b", "qwen3-30b-a3b-one-dense"])
 def test_planner_picks_the_cheapest_plan_that_fits(config, n_layers):
     """Real layer shapes, fewer layers (every candidate is walked here): the plan fits, and every
     ordered plan that costs less does not."""
@@ -213,6 +278,7 @@ def test_planner_picks_the_cheapest_plan_that_fits(config, n_layers):
         plan = plan_step(cfg, N, 16, budget, w, rates=rates)
         assert plan.memory.peak + SLACK <= budget, format_plan(plan)
         assert plan.cost == plan_cost(cfg, plan.modes, N, 2, rates) > 0
+        assert not any(m == U and cfg.is_moe(li) for li, m in enumerate(plan.modes)), plan.modes
         cheaper = [p.modes for p in every if p.cost < plan.cost - 1e-12 and p.memory.peak + SLACK <= budget]
         assert not cheaper, f"{cheaper[0]} fits {budget} B and costs less than {plan.modes}"
         picked.add(plan.modes)
@@ -314,6 +380,42 @@ def test_llama_3b_fits_8_gib_and_plan_for_counts_the_model():
     assert p.memory.weights == _weights_bytes(model.config) and p.act_bytes == 2
     assert offload.measure_rates(model, 64) is None and p.rates == DEFAULT_RATES  # CPU: nothing to measure
     assert p.memory.lora == lora.numel * (4 + 4 + 2 + 8)
+
+
+def test_plan_for_an_moe_model_fits_and_counts_what_it_holds(tmp_path):
+    """plan_for on a Qwen3-MoE model (one dense layer): the LoRA state counts the expert adapters,
+    a budget between all-offload and all-keep gives a plan that fits, never offload_up on an MoE
+    layer; its kept and host bytes are what the tape and the scheduler hold."""
+    gen = fresh_generator("cpu")
+    model = _moe_model(tmp_path, gen, moe_config(8, 2, True, [2], layers=4))
+    cfg, L = model.config, model.config.n_layers
+    lora = _lora(model, 4, 0.0, gen)
+    batch = _batch(model, gen, 40)
+    N = batch.n_tokens
+    keep = plan_for(model, lora, N)
+    assert keep.modes == (K,) * L and keep.memory.lora == lora.numel * (4 + 4 + 8)  # fp32: no compute copy
+    weights = sum(t.numel() * 4 for t in [model.embed, model.lm_head, model.norm] + [w.buf for w in model.layers])
+    assert keep.memory.weights == weights
+    least = make_plan(cfg, N, (O,) * L, lora_rank=4, lora_targets=lora.targets, act_bytes=4, weights_bytes=weights)
+    assert least.memory.peak < keep.memory.peak
+    budget = least.memory.peak + SLACK + (keep.memory.peak - least.memory.peak) // 3
+    plan = plan_for(model, lora, N, budget)
+    print(format_plan(plan))
+    assert plan.memory.peak + SLACK <= budget and plan.modes != keep.modes
+    assert not any(m == U and cfg.is_moe(li) for li, m in enumerate(plan.modes)), plan.modes
+    assert "| moe.h | (P,2*Fe) | act |" in format_plan(plan)
+    with pytest.raises(PlanError, match="too small"):
+        plan_for(model, lora, N, least.memory.peak)
+    # what the plan says the layers keep and send is what they keep and send
+    modes = (U, O, U, R)  # offload_up on MoE layers 0 and 1 runs as offload; layer 2 (dense) sends its up
+    plan = make_plan(cfg, N, modes, lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    assert plan.modes == (O, O, U, R)
+    sched = offload.scheduler(model, plan, N)
+    tape = Tape()
+    _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape, plan, sched)
+    assert sum(_held(tape.records).values()) == plan.kept_bytes
+    assert sum(t.numel() * t.element_size() for t in (sched.host, sched.host_up)) == plan.host_bytes
+    assert sched.host_up.shape[0] == 1 and sched.up_slot == {2: 0}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,3 +117,32 @@ def test_activation_plan_table_matches_what_layers_save(tmp_path):
                 if u is not None:
                     seen[u.data_ptr()] = u.numel() * u.element_size()
         assert sum(seen.values()) == layer_bytes(model.config, 7, 4, lora.r, len(lora.targets))
+
+
+def test_activation_plan_table_matches_what_moe_layers_save(tmp_path):
+    """An MoE model's layers (Qwen3-MoE, one dense MLP layer): the MoE table names exactly the
+    fields the MoE block saves, and each layer's byte count, priced as its kind with its own LoRA
+    targets (expert adapters on MoE layers, no MLP adapter on the dense one), is what it holds."""
+    from lean.models.moe import MoeSaved
+    from lean.runtime.plan import MOE_PLAN, layer_bytes
+    from lean.runtime.step import Tape, _forward_layers, make_ctx
+    from tests.test_moe import _setup, moe_config
+
+    assert [r.name for r in MOE_PLAN] == list(MoeSaved._fields)
+    for targets in ("q,v,down", "gate,o"):
+        _, model, lora = _setup(tmp_path / targets, moe_config(4, 2, True, [1], layers=3), 0, targets=targets)
+        batch = lean.pack([[1, 2, 3, 4, 5], [6, 7]], max_tokens=8, device=DEVICE)
+        tape = Tape()
+        _forward_layers(model, lora, batch, make_ctx(model, lora, batch), tape)
+        for li, (_, saved, _) in enumerate(tape.records):
+            assert (saved.moe is not None) == model.config.is_moe(li)
+            seen = {}
+
+            def visit(t):
+                if isinstance(t, torch.Tensor):
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+                elif isinstance(t, (dict, tuple)):
+                    for u in (t.values() if isinstance(t, dict) else t):
+                        visit(u)
+            visit(saved)
+            assert sum(seen.values()) == layer_bytes(model.config, 7, 4, lora.r, lora.targets, layer=li), (targets, li)

@@ -54,7 +54,7 @@ class Offloader:
         device = torch.device(device)
         self.layers = plan.offloaded
         self.slot = {li: j for j, li in enumerate(self.layers)}
-        ups = [li for li in self.layers if plan.policy(li, "up") == "offload"]
+        ups = [li for li in self.layers if plan.policy(li, "up") == "offload" and not plan.cfg.is_moe(li)]
         self.up_slot = {li: j for j, li in enumerate(ups)}
         self.max_tokens = plan.n_tokens
         self.on_gpu = device.type == "cuda"
@@ -168,7 +168,8 @@ def measure_rates(model, n_tokens, repeats=9):
     H2D copies of one (n_tokens, F) activation and lean's GEMM at a layer's gate shape
     (n_tokens, C) x (C, F), each the fastest of `repeats` after a warm-up (what the link and the
     GEMM can do; single copies vary by up to ~20% between calls), timed with CUDA events.
-    The GEMM reads the model's own weights (no zeros). None on a CPU."""
+    The GEMM reads the model's own weights (no zeros: a dense layer's gate, or where every layer is
+    an MoE layer, F rows of layer 0's expert gate_up). None on a CPU."""
     from ..kernels.gemm import matmul
     from .plan import Rates
     if model.device.type != "cuda":
@@ -177,7 +178,10 @@ def measure_rates(model, n_tokens, repeats=9):
     N, C, F = min(n_tokens, cfg.vocab), cfg.hidden, cfg.intermediate
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
-    w = model.layers[0].gate  # (F, C)
+    w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
+    if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C)
+        w = model.layers[0].gate_up.view(-1, C)[:F]
+    out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
     x = model.lm_head[:N]  # (N, C): real rows, no zeros (on the GPU: an untied embed may be on the host)
 
     def timed(fn):
@@ -195,5 +199,5 @@ def measure_rates(model, n_tokens, repeats=9):
     nbytes = dev.numel() * dev.element_size()
     d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True))
     h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True))
-    flops = 2 * N * C * F / timed(lambda: matmul(dev, x, w.t()))
+    flops = 2 * N * C * w.shape[0] / timed(lambda: matmul(out, x, w.t()))
     return Rates(d2h=d2h, h2d=h2d, flops=flops)

@@ -1,6 +1,7 @@
 """The activation plan: every tensor a layer saves, its policy per layer, and the step's predicted peak.
 
-Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab.
+Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab;
+MoE layers (Qwen3-MoE): E experts, K experts per token, P = N*K slots, Fe one expert's MLP width.
 act = the model's compute dtype (2 bytes for bf16).
 
 What one layer's forward saves for its backward (dense.Saved, field for field):
@@ -21,10 +22,27 @@ What one layer's forward saves for its backward (dense.Saved, field for field):
 | lse    | (H, N)       | fp32  | attention log-sum-exp                          |
 | mid    | (N, C)       | act   | x + attention block output                     |
 | rstd2  | (N,)         | fp32  | 1/rms of mid                                   |
-| gate   | (N, F)       | act   | gate projection (overwritten by its gradient)  |
-| up     | (N, F)       | act   | up projection (overwritten by its gradient)    |
-| moe    | -            | -     | an MoE layer's moe.MoeSaved (routing, expert rows); not priced yet: |
-|        |              |       | planner.plan_for refuses MoE models, whose layers keep every row    |
+| gate   | (N, F)       | act   | gate projection (overwritten by its gradient); dense-MLP layers only |
+| up     | (N, F)       | act   | up projection (overwritten by its gradient); dense-MLP layers only   |
+| moe    | MOE_PLAN     | -     | an MoE layer's moe.MoeSaved (below); 0 bytes on a dense-MLP layer    |
+
+An MoE layer's block saves (moe.MoeSaved, field for field; MOE_PLAN):
+
+| name     | shape    | dtype | what it is                                                  |
+|----------|----------|-------|-------------------------------------------------------------|
+| logits   | (N, E)   | act   | router logits                                               |
+| weights  | (N, K)   | act   | routing weights (top-K, renormalised with norm_topk_prob)   |
+| experts  | (N, K)   | int32 | each token's K experts                                      |
+| order    | (P,)     | int32 | slot of each sorted position (grouped by expert)            |
+| slot_pos | (P,)     | int32 | sorted position of each slot                                |
+| offsets  | (E+1,)   | int32 | first sorted position of each expert                        |
+| h        | (P, 2Fe) | act   | gate | up of every slot, sorted (overwritten by its gradient) |
+| xa_gu    | (P, 2R)  | act   | the experts' gate_up LoRA rows (with that adapter)          |
+| xa_d     | (P, R)   | act   | the experts' down LoRA rows (with that adapter)             |
+
+Each layer is priced as its kind (cfg.is_moe) with its own LoRA targets (lora.layer_targets: an
+MoE model adapts its experts for gate/up/down, and its dense-MLP layers' MLP not at all), so
+row_bytes, layer_bytes and mode_bytes take the layer index and the user's targets.
 
 Not in the table, never saved: n1 = rmsnorm(x) w_in (q/k/v's input), n2 = rmsnorm(mid) w_post
 (gate/up's) and act = silu(gate) up (down's). Their one use in backward is the LoRA dA; the
@@ -44,6 +62,12 @@ projection (dense.layer_forward(rebuild=...)), whose outputs backward never read
 | offload    | offload | recompute | keep | recompute       | xa (one reload buffer)    | the same; copies overlap        |
 | offload_up | offload | offload   | keep | recompute       | xa (one reload buffer)    | as offload, without up's GEMM   |
 
+On an MoE layer the moe row (every MoeSaved field, the expert LoRA rows xa_gu / xa_d too) follows
+"every other row": kept in keep, rebuilt otherwise (the rebuild reruns the routing, the grouping
+and gate_up, and counts no slot twice). An MoE layer has no up row, so offload_up there is
+offload: make_plan writes it so (layer_modes), the planner's candidates that differ only there are
+one plan, and the scheduler gives MoE layers no up slot.
+
 The planner (lean/runtime/planner.py) picks the modes, and for an untied model whether the frozen
 embedding table lives in pinned host memory (Plan.embed_host: its weights leave the GPU's count,
 its per-step gather is priced by embed_gather_cost); this module prices and sizes a given plan.
@@ -60,12 +84,15 @@ with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's rese
 memory and its 512-byte rounding are not counted).
 
 Errors: PlanError for modes that do not match the model (and, from the planner, when no plan fits).
-Tested: tests/test_offload.py (CPU: the walk equals the bytes allocated during a step, allocation
-by allocation; the plan's kept bytes equal what the tape holds) and
-tests/test_step.py (the table names exactly what a layer saves). GPU (H100): measured peak <=
-budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md).
-Caution: the kernel scratch rules below mirror kernels/lora_linear.py and kernels/linear_ce.py;
-the CPU test fails when they drift apart.
+Tested: tests/test_offload.py (CPU: the walk's peak equals the bytes allocated during a step, dense
+and Qwen3-MoE models in every mode, the MoE ones with a dense layer mixed in and the aux loss on;
+the plan's kept bytes equal what the tape holds) and tests/test_step.py (the tables name exactly
+what a dense and an MoE layer save). GPU (H100): measured peak <=
+budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md; dense models: MoE
+plans are not measured on a GPU yet).
+Caution: the kernel scratch rules below mirror kernels/lora_linear.py, kernels/linear_ce.py,
+kernels/moe_group.py and kernels/moe_route.py, and the MoE events models/moe.py's order; the CPU
+test fails when they drift apart (where they make the peak).
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -73,8 +100,11 @@ from typing import NamedTuple, Optional
 from ..kernels.arch import arch
 from ..kernels.gemm import interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
+from ..kernels.gemm_splitk import splitk_workspace_bytes
 from ..kernels.lora_grad import _GRAD, _block_r
-from .lora import TARGETS
+from ..kernels.moe_group import _group_config
+from ..kernels.moe_route import _rows_config as _route_rows_config
+from .lora import EXPERT_TARGETS, TARGETS, _target_shape, layer_targets
 
 GiB = 1 << 30
 # Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to
@@ -97,6 +127,11 @@ def mode_policy(mode, name):
     return {"x": x, "up": up, "xa": KEEP}.get(name, rest)
 
 
+def layer_modes(cfg, modes):
+    """modes as the layers run them: offload_up on an MoE layer (no up row to send) is offload."""
+    return tuple(OFFLOAD if m == OFFLOAD_UP and cfg.is_moe(li) else m for li, m in enumerate(modes))
+
+
 class Rates(NamedTuple):
     """What this machine moves and computes per second (offload.measure_rates measures them)."""
     d2h: float  # pinned device -> host bytes/s (the forward's offloads)
@@ -115,8 +150,10 @@ class PlanError(ValueError):
 class Row(NamedTuple):
     name: str
     shape: str  # in the legend's symbols; "R*" = one (N, R) per LoRA projection
-    dtype: str  # "act" or "fp32"
-    when: str = "always"  # "always" | "qk_norm" | "lora" | "moe"
+    dtype: str  # "act", "fp32" or "int32"
+    # "always" | "qk_norm" | "lora" (an (N, R) xa row) | "moe" (MoE layers only) | "mlp" (dense-MLP
+    # layers only) | "gate_up" / "down_e" (an MoE layer whose experts carry that adapter)
+    when: str = "always"
 
 
 PLAN = (  # what a layer saves: dense.Saved, in its field order
@@ -134,9 +171,32 @@ PLAN = (  # what a layer saves: dense.Saved, in its field order
     Row("lse", "H,N", "fp32"),
     Row("mid", "N,C", "act"),
     Row("rstd2", "N", "fp32"),
-    Row("gate", "N,F", "act"),
-    Row("up", "N,F", "act"),
-    Row("moe", "N", "act", "moe"),  # 0 bytes in a dense model; MoE layers are not priced (see above)
+    Row("gate", "N,F", "act", "mlp"),
+    Row("up", "N,F", "act", "mlp"),
+    Row("moe", "MOE_PLAN", "-", "moe"),  # an MoE layer's moe.MoeSaved: the sum of MOE_PLAN's rows
+)
+
+MOE_PLAN = (  # what an MoE layer's block saves: moe.MoeSaved, in its field order
+    Row("logits", "N,E", "act"),
+    Row("weights", "N,K", "act"),
+    Row("experts", "N,K", "int32"),
+    Row("order", "P", "int32"),
+    Row("slot_pos", "P", "int32"),
+    Row("offsets", "E+1", "int32"),
+    Row("h", "P,2*Fe", "act"),
+    Row("xa_gu", "P,2*R", "act", "gate_up"),
+    Row("xa_d", "P,R", "act", "down_e"),
+)
+# What moe_forward and moe_backward allocate besides MoeSaved, and the kernels' scratch (moe.py, in
+# its order: forward_events / moe_backward_events): m the block's output, e_act = SwiGLU of h, y the
+# sorted expert outputs; dn2, then gb = g B_d, G = dL/d(e_act) before w, dw, e_act again (the down
+# dA's input), dhb = dh B_gu, dX the sorted dL/dn2 rows, dlogits; route_part, route_topk_fwd's
+# prob_sum partials (the aux loss on, not in a rebuild); hist, group_slots' (blocks, E) int32;
+# ws_fwd / ws_bwd, the router GEMMs' split-K workspaces (gemm_splitk.py; 0 under the interpreter).
+MOE_EXTRA = (
+    Row("e_act", "P,Fe", "act"), Row("y", "P,C", "act"),
+    Row("gb", "P,R", "act", "down_e"), Row("G", "P,Fe", "act"), Row("dw", "N,K", "fp32"),
+    Row("dhb", "P,2*R", "act", "gate_up"), Row("dX", "P,C", "act"), Row("dlogits", "N,E", "act"),
 )
 
 # What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
@@ -154,12 +214,14 @@ GRADS = (
 # dy B waits for its dA, what runs and on which projections). What runs: "dx" = lora_linear_bwd
 # with its dA deferred (input not kept), "dA" = the deferred lora_linear_bwd_da, "all" = the whole
 # lora_linear_bwd (o: its input is saved anyway), "" = no LoRA scratch.
-BACKWARD_MOMENTS = (
+MLP_MOMENTS = (
     ("down", ("dact",), (), "dx", ("down",)),
     ("down dA", ("dact",), ("down",), "dA", ("down",)),
     ("gate", ("dn2",), (), "dx", ("gate",)),
     ("up", ("dn2",), ("gate",), "dx", ("up",)),
     ("gate/up dA", ("dn2",), ("gate", "up"), "dA", ("gate", "up")),
+)
+ATTENTION_MOMENTS = (  # an MoE layer's backward ends with these too (moe_backward_events before them)
     ("o", ("do",), (), "all", ("o",)),
     ("attention", ("do", "dq", "dk", "dv", "delta"), (), "", ()),
     ("qk-norm", ("dq", "dk", "dv", "dq_pre", "dk_pre"), (), "", ()),
@@ -168,40 +230,79 @@ BACKWARD_MOMENTS = (
     ("v", ("dq", "dk", "dv", "dn1"), ("q", "k"), "dx", ("v",)),
     ("q/k/v dA", ("dn1",), ("q", "k", "v"), "dA", ("q", "k", "v")),
 )
+BACKWARD_MOMENTS = MLP_MOMENTS + ATTENTION_MOMENTS
 
 
-def _sym(cfg, n_tokens, lora_rank, n_lora_targets):
+def _sym(cfg, n_tokens, lora_rank, n_xa):
     return {"N": n_tokens, "C": cfg.hidden, "H": cfg.n_heads, "KVH": cfg.n_kv_heads, "D": cfg.head_dim,
-            "F": cfg.intermediate, "R*": lora_rank * n_lora_targets}
+            "F": cfg.intermediate, "R*": lora_rank * n_xa, "R": lora_rank, "E": cfg.n_experts, "K": cfg.top_k,
+            "P": n_tokens * cfg.top_k, "Fe": cfg.moe_intermediate}
 
 
-def row_bytes(row, cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
-    """Bytes one layer spends on one row of a table."""
+def layer_lora(cfg, layer, lora_targets):
+    """(MoE layer?, its (N, R) xa rows, its LoRA targets) of layer `layer` (None: a dense layer).
+    lora_targets: the user's targets (a tuple, lora.targets: each layer adapts what
+    lora.layer_targets gives it; an MoE model's experts take gate/up/down), or for a dense layer a
+    count of adapted projections."""
+    moe = layer is not None and cfg.is_moe(layer)
+    if isinstance(lora_targets, int):
+        if moe and lora_targets:
+            raise PlanError("an MoE layer's LoRA rows depend on which projections are adapted: pass the "
+                            "targets (lora.targets), not a count")
+        return moe, lora_targets, ()
+    ts = layer_targets(cfg, layer if layer is not None else -1, tuple(lora_targets))  # -1: a dense layer
+    return moe, sum(t not in EXPERT_TARGETS for t in ts), ts
+
+
+def _numel(shape, sym):
+    """Elements of a shape in the legend's symbols: dims split by ",", sums by "+", products by "*"."""
+    numel = 1
+    for dim in shape.split(","):
+        if dim == "R*":
+            numel *= sym["R*"]
+            continue
+        size = 0
+        for term in dim.split("+"):
+            prod = 1
+            for factor in term.split("*"):
+                prod *= int(factor) if factor.isdigit() else sym[factor]
+            size += prod
+        numel *= size
+    return numel
+
+
+def _row_bytes(row, cfg, n_tokens, act_bytes, lora_rank, kind):
+    moe, n_xa, ts = kind
     if row.when == "qk_norm" and not cfg.qk_norm:
         return 0
-    if row.when == "lora" and not n_lora_targets:
+    if row.when == "lora" and not n_xa:
         return 0
-    if row.when == "moe":
+    if row.when in ("gate_up", "down_e") and row.when not in ts:
         return 0
-    sym = _sym(cfg, n_tokens, lora_rank, n_lora_targets)
-    numel = 1
-    for dim in row.shape.split(","):
-        size = 1
-        for factor in dim.split("*") if dim != "R*" else ["R*"]:
-            size *= sym[factor]
-        numel *= size
-    return numel * (4 if row.dtype == "fp32" else act_bytes)
+    if (row.when == "moe" and not moe) or (row.when == "mlp" and moe):
+        return 0
+    if row.name == "moe":
+        return sum(_row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, kind) for r in MOE_PLAN)
+    numel = _numel(row.shape, _sym(cfg, n_tokens, lora_rank, n_xa))
+    return numel * (4 if row.dtype in ("fp32", "int32") else act_bytes)
 
 
-def layer_bytes(cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0):
+def row_bytes(row, cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0, layer=None):
+    """Bytes one layer spends on one row of a table. n_lora_targets: the adapted projections of a
+    dense layer (a count) or the user's LoRA targets (a tuple; needed for an MoE model's layers);
+    layer: the layer index (None: a dense layer), whose kind (cfg.is_moe) prices the row."""
+    return _row_bytes(row, cfg, n_tokens, act_bytes, lora_rank, layer_lora(cfg, layer, n_lora_targets))
+
+
+def layer_bytes(cfg, n_tokens, act_bytes, lora_rank=0, n_lora_targets=0, layer=None):
     """What one layer's saved activations take on the GPU when it keeps every row."""
-    return sum(row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets) for r in PLAN)
+    return sum(row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets, layer) for r in PLAN)
 
 
-def mode_bytes(cfg, n_tokens, act_bytes, policy, lora_rank=0, n_lora_targets=0):
+def mode_bytes(cfg, n_tokens, act_bytes, policy, lora_rank=0, n_lora_targets=0, layer=None):
     """mode -> bytes of one layer's rows whose policy in that mode is `policy` (keep: what a finished
     layer holds on the GPU; offload: what it sends to the host)."""
-    rows = [(r.name, row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets)) for r in PLAN]
+    rows = [(r.name, row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, n_lora_targets, layer)) for r in PLAN]
     return {m: sum(b for name, b in rows if mode_policy(m, name) == policy) for m in MODES}
 
 
@@ -214,8 +315,15 @@ def _proj_dims(cfg, t):
 
 def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
     """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
-    fp32) and AdamW's moments m, v fp32 (runtime/optim.py)."""
-    P = cfg.n_layers * sum(lora_rank * sum(_proj_dims(cfg, t)) for t in lora_targets)
+    fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
+    lora.layer_targets gives it (an MoE layer's experts: A (E, R, in) and B (E, out, R), R = 2r
+    for gate_up)."""
+    def numel(t):
+        if t not in EXPERT_TARGETS:
+            return lora_rank * sum(_proj_dims(cfg, t))
+        return cfg.n_experts * lora_rank * (2 if t == "gate_up" else 1) * sum(_target_shape(cfg, t))
+
+    P = sum(numel(t) for li in range(cfg.n_layers) for t in layer_targets(cfg, li, tuple(lora_targets)))
     per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
     return P * per
 
@@ -252,11 +360,34 @@ def linear_ce_scratch(N, V, C, act_bytes):
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
+def moe_step_bytes(cfg):
+    """An MoE model's per-step buffers (step.moe_step): counts (E,) fp32, and with the aux loss on
+    prob_sum, aux_grad (E,) fp32 and aux (1,) fp32. Each step makes them anew and model.cache
+    holds them until the next one replaces them: persistent state, like the constants."""
+    if not cfg.moe_layers:
+        return 0
+    return 4 * cfg.n_experts + (4 * (2 * cfg.n_experts + 1) if cfg.aux_loss_coef > 0 else 0)
+
+
 def constant_bytes(cfg, n_tokens):
-    """The batch descriptor (at most 4N + 1 int32: ids, positions, targets, cu_seqlens) and the
-    RoPE tables (cos, sin (N, D/2) fp32; the model's inverse frequencies (D/2,) fp32)."""
+    """The batch descriptor (at most 4N + 1 int32: ids, positions, targets, cu_seqlens), the
+    RoPE tables (cos, sin (N, D/2) fp32; the model's inverse frequencies (D/2,) fp32) and an MoE
+    model's per-step buffers (moe_step_bytes)."""
     N, half = n_tokens, cfg.head_dim // 2
-    return (4 * N + 1) * 4 + 2 * N * half * 4 + half * 4
+    return (4 * N + 1) * 4 + 2 * N * half * 4 + half * 4 + moe_step_bytes(cfg)
+
+
+def moe_scratch(cfg, n_tokens, act_bytes):
+    """The scratch the MoE kernels allocate per call (moe.py's launches): group_slots' (blocks, E)
+    int32, route_topk_fwd's (programs, E) fp32 prob_sum partials (aux loss on), and the router
+    GEMMs' split-K workspaces, logits (N, E) over C and dn2 (N, C) over E."""
+    N, E, C = n_tokens, cfg.n_experts, cfg.hidden
+    P = N * cfg.top_k
+    hist = max(1, _cdiv(P, _group_config(P, E)[0])) * E * 4
+    blocks = _cdiv(N, _route_rows_config(N, E)[0])
+    part = min(blocks, 2 if interpreting() else 16 * arch().sms) * E * 4 if N else 0
+    return {"hist": hist, "route_part": part, "ws_fwd": splitk_workspace_bytes(N, E, C, act_bytes),
+            "ws_bwd": splitk_workspace_bytes(N, C, E, act_bytes)}
 
 
 class Memory(NamedTuple):
@@ -272,12 +403,14 @@ class Memory(NamedTuple):
         return sum(self)
 
 
-def forward_events(cfg, lora_targets, keep=None, first=False, rebuild=False, up_given=False):
-    """dense.layer_forward's allocations ("+", row) and releases ("-", row), in its order. keep:
-    its keep argument (None: every Saved row); first: layer 0 (x is the input, not allocated);
-    rebuild: the backward's rebuild (x given, xa written in place, no act or m); up_given: up is
-    the reloaded one. Rows: PLAN's names (q_pre/k_pre are the first q/k with QK-norm), "xa:t" per
-    LoRA projection t, and n1, a, n2, act, m."""
+def forward_events(cfg, lora_targets, keep=None, first=False, rebuild=False, up_given=False, moe=False, aux=False):
+    """dense.layer_forward's allocations ("+", row) and releases ("-", row), in its order. lora_targets:
+    the layer's own (lora.layer_targets); keep: its keep argument (None: every Saved row); first:
+    layer 0 (x is the input, not allocated); rebuild: the backward's rebuild (x given, xa written
+    in place, no act or m); up_given: up is the reloaded one; moe: an MoE layer (moe.moe_forward
+    from n2, aux: with the load-balancing loss on). Rows: PLAN's names (q_pre/k_pre are the first
+    q/k with QK-norm), "xa:t" per LoRA projection t, n1, a, n2, act, m, and MOE_PLAN's, MOE_EXTRA's
+    and moe_scratch's."""
     drop = (lambda *names: [("-", n) for n in names if n not in keep]) if keep is not None else (lambda *n: [])
     xa = (lambda *ts: [("+", "xa:" + t) for t in ts if t in lora_targets and not rebuild])
     q, k = ("q_pre", "k_pre") if cfg.qk_norm else ("q", "k")
@@ -286,75 +419,145 @@ def forward_events(cfg, lora_targets, keep=None, first=False, rebuild=False, up_
     if cfg.qk_norm:
         ev += [("+", "q"), ("+", "k"), ("+", "rstd_q"), ("+", "rstd_k")] + drop("q_pre", "k_pre", "rstd_q", "rstd_k")
     ev += [("+", "o"), ("+", "lse")] + drop("q", "k", "v") + [("+", "a")] + xa("o") + drop("o", "lse")
-    ev += [("+", "mid"), ("+", "n2"), ("+", "rstd2"), ("-", "a"), ("+", "gate")] + xa("gate")
+    ev += [("+", "mid"), ("+", "n2"), ("+", "rstd2"), ("-", "a")]
+    if moe:
+        return ev + _moe_forward_events(lora_targets, keep, rebuild, aux)
+    ev += [("+", "gate")] + xa("gate")
     ev += ([] if up_given else [("+", "up")] + xa("up")) + [("-", "n2")]
     if not rebuild:
         ev += ([("+", "act")] if keep is None else drop("up")) + [("+", "m")] + xa("down")  # else act = gate
     return ev
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0):
-    """The step's activation bytes moment by moment, as step.py and dense.py allocate and free
-    them; returns (high-water bytes, the moment it happens). Without LoRA dropout the waiting dA of
-    projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist."""
-    N, C, V = n_tokens, cfg.hidden, cfg.vocab
-    nt = len(lora_targets)
-    rb = lambda r: row_bytes(r, cfg, N, act_bytes, lora_rank, nt)  # noqa: E731
+def _moe_forward_events(lora_targets, keep, rebuild, aux):
+    """The MoE block's part of forward_events, from n2 (moe.moe_forward, then layer_forward's end):
+    m, the routing (and the kernels' scratch), the expert rows; a rebuild stops before y."""
+    ev = [] if rebuild else [("+", "m")]
+    ev += [("+", "logits"), ("+", "ws_fwd"), ("-", "ws_fwd"), ("+", "weights"), ("+", "experts")]
+    ev += [("+", "route_part"), ("-", "route_part")] if aux and not rebuild else []
+    ev += [("+", "order"), ("+", "slot_pos"), ("+", "offsets"), ("+", "hist"), ("-", "hist")]
+    ev += [("+", "xa_gu")] if "gate_up" in lora_targets else []
+    ev += [("+", "h"), ("+", "e_act")] + ([("+", "xa_d")] if "down_e" in lora_targets else [])
+    ev += [("-", "e_act")] if rebuild else [("+", "y"), ("-", "e_act"), ("-", "y")]
+    ev += [("-", "n2")]
+    if keep is not None and not rebuild and "moe" not in keep:  # the MoeSaved rows die with the forward
+        ev += [("-", r.name) for r in MOE_PLAN]  # (an expert adapter's row is 0 bytes without it)
+    return ev
+
+
+def moe_backward_events(lora_targets):
+    """dense.layer_backward's MoE block (moe.moe_backward, rmsnorm_bwd, moe_backward_da): its
+    allocations and releases, in order, above the rows the layer holds and g."""
+    gu, dn = "gate_up" in lora_targets, "down_e" in lora_targets
+    ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "dw")]
+    ev += ([("+", "e_act")] if dn else []) + [("-", "G")] + ([("-", "gb"), ("-", "e_act")] if dn else [])
+    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("-", "dX")]
+    ev += [("+", "dlogits"), ("+", "ws_bwd"), ("-", "ws_bwd"), ("-", "dlogits"), ("-", "dw")]
+    return ev + [("-", "dn2")] + ([("-", "dhb")] if gu else [])
+
+
+class _Kind(NamedTuple):
+    """What the walk needs of one kind of layer (dense or MoE)."""
+    moe: bool
+    targets: tuple  # its LoRA targets (lora.layer_targets)
+    rows: dict  # row name -> bytes: saved, transient, gradient and scratch
+    grads: dict  # GRADS name -> bytes
+    full: int  # every saved row
+    holds: dict  # mode -> what a finished layer holds on the GPU
+    sent: dict  # mode -> its rows on the host (and in flight)
+    scratch: dict  # LoRA projection -> part -> lora_bwd_scratch
+
+
+def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
+    kind = layer_lora(cfg, li, lora_targets)
+    moe, n_xa, ts = kind
+    rb = lambda r: _row_bytes(r, cfg, N, act_bytes, lora_rank, kind)  # noqa: E731
     grads = {r.name: rb(r) for r in GRADS}
     rows = {r.name: rb(r) for r in PLAN + FORWARD_EXTRA}
     xb, xab = rows["x"], rows["xa"]  # xb: one (N, C) activation
-    rows.update({"n1": xb, "n2": xb, "a": xb}, **{"xa:" + t: xab // max(nt, 1) for t in lora_targets})
-    full = layer_bytes(cfg, N, act_bytes, lora_rank, nt)
-    holds = mode_bytes(cfg, N, act_bytes, KEEP, lora_rank, nt)  # a finished layer, on the GPU
-    sent = mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, nt)  # its rows on the host (and in flight)
+    rows.update({"n1": xb, "n2": xb, "a": xb},
+                **{"xa:" + t: xab // max(n_xa, 1) for t in ts if t not in EXPERT_TARGETS})
+    if moe:
+        rows.update({r.name: rb(r) for r in MOE_PLAN + MOE_EXTRA}, m=xb, dn2=grads["dn2"],
+                    **moe_scratch(cfg, N, act_bytes))
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
-                   for part in ("all", "dx", "dA", "dyb")} for t in lora_targets}
+                   for part in ("all", "dx", "dA", "dyb")} for t in ts if t not in EXPERT_TARGETS}
+    return _Kind(moe, ts, rows, grads, layer_bytes(cfg, N, act_bytes, lora_rank, lora_targets, li),
+                 mode_bytes(cfg, N, act_bytes, KEEP, lora_rank, lora_targets, li),
+                 mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
+
+
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0):
+    """The step's activation bytes moment by moment, as step.py, dense.py and moe.py allocate and
+    free them; returns (high-water bytes, the moment it happens). Without LoRA dropout the waiting dA of
+    projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist.
+    Each layer is priced as its kind (dense or MoE: cfg.is_moe) with its own LoRA targets."""
+    N, C, V = n_tokens, cfg.hidden, cfg.vocab
+    lora_targets = tuple(lora_targets)
+    kinds = {}
+
+    def kind(li):  # every dense layer of a model alike, every MoE layer alike
+        if cfg.is_moe(li) not in kinds:
+            kinds[cfg.is_moe(li)] = _kind(cfg, li, N, act_bytes, lora_rank, lora_targets)
+        return kinds[cfg.is_moe(li)]
+
+    xb = N * C * act_bytes  # one (N, C) activation
+    aux = cfg.aux_loss_coef > 0
     best = [0, "nothing allocated"]
 
     def at(moment, live):
         if live > best[0]:
             best[:] = [live, moment]
 
-    def run(moment, live, events):
+    def run(moment, live, events, rows):
         for sign, name in events:
             live += rows[name] if sign == "+" else -rows[name]
             at(moment, live)
 
     held = 0  # bytes the finished layers hold
     for li, mode in enumerate(modes):
-        prev = modes[li - 1] if li else None
+        prev, k = modes[li - 1] if li else None, kind(li)
         inputs = xb if li == 0 else xb + (0 if prev == KEEP else xb)  # s (layer 0: x), d, and s = mid unless kept
-        pending = sent[prev] if li else 0  # the previous layer's offloaded rows, until their copy is retired
+        pending = kind(li - 1).sent[prev] if li else 0  # the previous layer's offloaded rows, until retired
         run(f"forward of layer {li}", held + pending + inputs,
-            forward_events(cfg, lora_targets, KEPT_ROWS[mode], first=li == 0))
-        held += holds[mode]
+            forward_events(cfg, k.targets, KEPT_ROWS[mode], first=li == 0, moe=k.moe, aux=aux), k.rows)
+        held += k.holds[mode]
     last = modes[-1]
     final = 2 * xb + N * 4  # x_final, nf, rstd
     s_d = xb + (0 if last == KEEP else xb)
-    at("final norm", held + sent[last] + s_d + final)
+    at("final norm", held + kind(len(modes) - 1).sent[last] + s_d + final)
     loss = 2 * 4
     ce = linear_ce_scratch(N, V, C, act_bytes) + 4  # + the (1,) fp32 grad_scale it makes from a number
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
     at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
     base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
     for li in reversed(range(len(modes))):
-        mode = modes[li]
-        held -= holds[mode]
-        cur = full - sent[mode]  # offloaded rows live in the reload buffers
+        mode, k = modes[li], kind(li)
+        held -= k.holds[mode]
+        cur = k.full - k.sent[mode]  # offloaded rows live in the reload buffers
         if mode != KEEP:  # the rebuild, from x and xa (kept, or x in a reload buffer)
-            run(f"recompute of layer {li}", held + base + xab + (xb if mode == RECOMPUTE else 0),
-                forward_events(cfg, lora_targets, rebuild=True, up_given=mode == OFFLOAD_UP))
-        for name, live, waiting, runs, projs in BACKWARD_MOMENTS:
-            extra = sum(scratch[t]["dyb"] for t in waiting if t in scratch)
-            sizes = [scratch[t][runs] for t in projs if t in scratch]
+            run(f"recompute of layer {li}", held + base + k.rows["xa"] + (xb if mode == RECOMPUTE else 0),
+                forward_events(cfg, k.targets, rebuild=True, up_given=mode == OFFLOAD_UP, moe=k.moe), k.rows)
+        moments = BACKWARD_MOMENTS
+        if k.moe:  # the experts and the router, then the attention as a dense layer's
+            run(f"backward of layer {li} (experts)", held + base + cur, moe_backward_events(k.targets), k.rows)
+            moments = ATTENTION_MOMENTS
+        for name, live, waiting, runs, projs in moments:
+            extra = sum(k.scratch[t]["dyb"] for t in waiting if t in k.scratch)
+            sizes = [k.scratch[t][runs] for t in projs if t in k.scratch]
             extra += sum(sizes) if runs == "dA" and lora_dropout == 0.0 else max(sizes, default=0)
-            at(f"backward of layer {li} ({name})", held + base + cur + sum(grads[g] for g in live) + extra)
+            at(f"backward of layer {li} ({name})", held + base + cur + sum(k.grads[g] for g in live) + extra)
     return best[0], best[1]
 
 
-def layer_flops(cfg, n_tokens):
-    """GEMM FLOPs of one layer's forward: (q, k, v and o together, gate, up, down)."""
+def layer_flops(cfg, n_tokens, layer=None):
+    """GEMM FLOPs of one layer's forward: (q, k, v and o together, gate, up, down). An MoE layer
+    (layer given, cfg.is_moe): the router with its gate, over the N*K slots of the experts."""
     N, C, F = n_tokens, cfg.hidden, cfg.intermediate
+    if layer is not None and cfg.is_moe(layer):
+        P, Fe = N * cfg.top_k, cfg.moe_intermediate
+        return 2 * N * C * 2 * (cfg.q_dim + cfg.kv_dim), 2 * N * C * cfg.n_experts + 2 * P * C * Fe, 2 * P * C * Fe, \
+            2 * P * Fe * C
     return 2 * N * C * 2 * (cfg.q_dim + cfg.kv_dim), 2 * N * C * F, 2 * N * C * F, 2 * N * F * C
 
 
@@ -368,19 +571,31 @@ def plan_cost(cfg, modes, n_tokens, act_bytes, rates):
     """Predicted seconds a plan adds to an all-keep step: the rebuilds' GEMMs, and every copy's
     excess over the compute it hides under (an offload under the next layer's forward, a reload
     under the backward of the layer above), a layer's compute being LAYER_OVER_GEMM times its
-    GEMMs'. A rebuild is priced by its GEMMs alone (what differs between the modes)."""
-    attn, gate, up, down = layer_flops(cfg, n_tokens)
-    fwd = LAYER_OVER_GEMM * (attn + gate + up + down) / rates.flops  # a layer's forward; its backward's dx alike
-    rebuild = {KEEP: 0.0, RECOMPUTE: (attn + gate + up) / rates.flops, OFFLOAD: (attn + gate + up) / rates.flops,
-               OFFLOAD_UP: (attn + gate) / rates.flops}
-    sent = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD)  # x and up: the LoRA rank plays no part
+    GEMMs'. A rebuild is priced by its GEMMs alone (what differs between the modes); each layer
+    by its kind (layer_flops)."""
+    kinds = {}
+
+    def price(li):  # (a layer's forward, mode -> its rebuild, mode -> bytes it sends), per kind
+        moe = cfg.is_moe(li)
+        if moe not in kinds:
+            attn, gate, up, down = layer_flops(cfg, n_tokens, li)
+            fwd = LAYER_OVER_GEMM * (attn + gate + up + down) / rates.flops  # its backward's dx alike
+            rebuild = {KEEP: 0.0, RECOMPUTE: (attn + gate + up) / rates.flops,
+                       OFFLOAD: (attn + gate + up) / rates.flops, OFFLOAD_UP: (attn + gate) / rates.flops}
+            sent = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD, layer=li)  # x and up: the LoRA rank plays no part
+            kinds[moe] = fwd, rebuild, sent
+        return kinds[moe]
+
     cost = 0.0
     for li, mode in enumerate(modes):
+        fwd, rebuild, sent = price(li)
         cost += rebuild[mode]
         if sent[mode]:
+            nxt = li + 1 if li + 1 < len(modes) else li  # the layer whose compute hides the copies
             above = modes[li + 1] if li + 1 < len(modes) else KEEP
-            cost += max(0.0, sent[mode] / rates.d2h - fwd)
-            cost += max(0.0, sent[mode] / rates.h2d - (fwd + rebuild[above]))
+            fwd_up, rebuild_up, _ = price(nxt)
+            cost += max(0.0, sent[mode] / rates.d2h - fwd_up)
+            cost += max(0.0, sent[mode] / rates.h2d - (fwd_up + rebuild_up[above]))
     return cost
 
 
@@ -392,7 +607,7 @@ class Plan:
     act_bytes: int
     lora_rank: int
     lora_targets: tuple
-    modes: tuple  # per layer: KEEP | RECOMPUTE | OFFLOAD
+    modes: tuple  # per layer: KEEP | RECOMPUTE | OFFLOAD | OFFLOAD_UP (never on an MoE layer: layer_modes)
     memory: Memory
     peak_at: str  # the moment of the predicted peak
     budget_bytes: Optional[int] = None
@@ -410,8 +625,11 @@ class Plan:
         return tuple(li for li, m in enumerate(self.modes) if m in OFFLOADED)
 
     def _bytes(self, policy):
-        per = mode_bytes(self.cfg, self.n_tokens, self.act_bytes, policy, self.lora_rank, len(self.lora_targets))
-        return sum(per[m] for m in self.modes)
+        per = {}  # per kind of layer (dense, MoE)
+        for li in range(len(self.modes)):
+            per.setdefault(self.cfg.is_moe(li), mode_bytes(self.cfg, self.n_tokens, self.act_bytes, policy,
+                                                           self.lora_rank, self.lora_targets, li))
+        return sum(per[self.cfg.is_moe(li)][m] for li, m in enumerate(self.modes))
 
     @property
     def kept_bytes(self):
@@ -437,6 +655,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
+    modes = layer_modes(cfg, modes)  # offload_up on an MoE layer: offload
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()

@@ -23,8 +23,8 @@ from dataclasses import replace
 from ..models.weights import embed_to_host
 from .lora import TARGETS
 from .plan import (
-    DEFAULT_RATES, GiB, KEEP, MODES, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError, embed_gather_cost,
-    layer_bytes, make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
+    DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
+    embed_gather_cost, layer_bytes, layer_modes, make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
 )
 
 
@@ -58,21 +58,29 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     # Price every ordered plan, with the embedding table on the GPU or not (arithmetic, no walk),
     # then walk them cheapest first until one fits. A plan can never peak below its persistent
     # bytes plus what its finished layers hold: those that cannot fit by that bound are dropped unwalked.
-    nt = len(lora_targets) if lora_r else 0
-    hold = mode_bytes(cfg, n_tokens, act_bytes, KEEP, lora_r, nt)
-    host = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD, lora_r, nt)
-    xb, upb = host[OFFLOAD], host[OFFLOAD_UP] - host[OFFLOAD]  # one (N, C) and one (N, F) reload buffer
+    # Per layer (dense and MoE layers differ). An MoE layer has no up to offload: its offload_up is
+    # offload (layer_modes), so candidates that differ only there are one plan, priced once.
+    targets = tuple(lora_targets) if lora_r else ()
+    by_kind = {}
+    for li in range(L):
+        by_kind.setdefault(cfg.is_moe(li), (mode_bytes(cfg, n_tokens, act_bytes, KEEP, lora_r, targets, li),
+                                            mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD, lora_r, targets, li)))
+    hold = [by_kind[cfg.is_moe(li)][0] for li in range(L)]
+    host = [by_kind[cfg.is_moe(li)][1] for li in range(L)]
+    dense = mode_bytes(cfg, n_tokens, act_bytes, OFFLOAD)
+    xb, upb = dense[OFFLOAD], dense[OFFLOAD_UP] - dense[OFFLOAD]  # one (N, C) and one (N, F) reload buffer
+    plans = list(dict.fromkeys(layer_modes(cfg, ordered_modes(L, *c)) for c in candidates(L)))
     priced = []
     for eh in (False, True) if embed_bytes else (False,):
         moved = embed_bytes if eh else 0
         fixed = keep.memory.peak - keep.memory.activations - moved
         gather = embed_gather_cost(cfg, n_tokens, act_bytes, rates) if eh else 0.0
-        for u, o, r in candidates(L):
-            modes = ordered_modes(L, u, o, r)
-            host_bytes = sum(host[m] for m in modes) + moved
+        for modes in plans:
+            host_bytes = sum(h[m] for h, m in zip(host, modes)) + moved
             if host_budget_bytes is not None and host_bytes > host_budget_bytes:
                 continue
-            bound = fixed + sum(hold[m] for m in modes) + 2 * (xb * (u + o > 0) + upb * (u > 0))
+            offloads, ups = any(m in (OFFLOAD, OFFLOAD_UP) for m in modes), OFFLOAD_UP in modes
+            bound = fixed + sum(h[m] for h, m in zip(hold, modes)) + 2 * (xb * offloads + upb * ups)
             if bound + SLACK > budget_bytes:
                 continue
             priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather, host_bytes, eh, modes))
@@ -105,10 +113,6 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     rates price the candidates (None: measured here by offload.measure_rates when a budget is given
     on a GPU, a setup-time sync; DEFAULT_RATES on a CPU). When the plan says so, this moves the
     untied embedding table to pinned host memory (models/weights.embed_to_host), for good."""
-    if model.config.moe_layers:
-        raise PlanError("the activation planner does not price Mixture-of-Experts layers yet: train this model "
-                        "without --vram-budget (every layer keeps its activations), with fewer --max-tokens if "
-                        "a step does not fit")
     on_gpu = model.device.type == "cuda"
     if rates is None and budget_bytes is not None and on_gpu:
         from .offload import measure_rates
@@ -167,19 +171,27 @@ def format_plan(plan):
         out.append(f"  {f'layers {first}-{last}' if last > first else f'layer {first}'}: {m}")
     out.append("| tensor | shape | dtype | MiB/layer | " + " | ".join(used) + " |")
     out.append("|---" * (4 + len(used)) + "|")
-    for r in PLAN:
-        b = row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, nt)
+    layers = {cfg.is_moe(li): li for li in reversed(range(cfg.n_layers))}  # a layer of each kind
+    ts = plan.lora_targets
+    rows = [(r, r.name, max(row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, ts, li) for li in layers.values()))
+            for r in PLAN if r.name != "moe"]
+    if True in layers:  # an MoE layer's block: its rows follow the moe row's policy
+        rows += [(r, "moe." + r.name, row_bytes(r, cfg, N, plan.act_bytes, plan.lora_rank, ts, layers[True]))
+                 for r in MOE_PLAN]
+    for r, name, b in rows:
         if b == 0:
             continue
-        pol = [mode_policy(m, r.name) for m in used]
-        out.append(f"| {r.name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
+        pol = [mode_policy(m, name.split(".")[0]) for m in used]
+        out.append(f"| {name} | ({r.shape.replace('R*', 'R')}) | {r.dtype} | {b / 2**20:.2f} | "
                    + " | ".join(pol) + " |")
-    full = layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, nt)
+    full = " / ".join(f"{layer_bytes(cfg, N, plan.act_bytes, plan.lora_rank, ts, li) / 2**20:.1f} MiB"
+                      + (f" ({'MoE' if moe else 'dense'})" if len(layers) > 1 or moe else "")
+                      for moe, li in sorted(layers.items()))
     if plan.embed_host:
         table = cfg.vocab * cfg.hidden * plan.act_bytes
         out.append(f"embedding table: pinned host memory ({_gib(table)} off the GPU; the gather reads the batch's "
                    f"rows over the link, {N * cfg.hidden * plan.act_bytes / 2**20:.0f} MiB a step)")
-    out.append(f"saved per kept layer {full / 2**20:.1f} MiB; kept on the GPU after the forward "
+    out.append(f"saved per kept layer {full}; kept on the GPU after the forward "
                f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
     out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")
     if plan.cost:

@@ -380,7 +380,7 @@ def default_plan(cfg, model, lora, free):
     (`free` bytes, before the weights loaded): None (keep every activation, no planning) when a step
     fits it, else the planner's plan for it, so that a step too big for the card recomputes and
     offloads instead of running out of memory."""
-    if cfg.vram_budget is not None or free is None or model.config.moe_layers:  # MoE: not priced yet
+    if cfg.vram_budget is not None or free is None:
         return None
     keep = plan_for(model, lora, cfg.max_tokens)  # no budget: the all-keep plan, priced, no measurement
     if keep.memory.peak + SLACK <= free:

@@ -51,7 +51,7 @@ lean's rows (the child runs them in one process, eager first):
 MoE models (qwen3-30b-a3b): run cut to DEFAULT_LAYERS (16 of 48 layers; `--layers N` sets another
 cut, for every model named), the note says so; the LoRA targets are the attention's q,k,v,o and
 each expert's gate_up and down (lean's "all"); useful FLOPs count the active parameters (router
-and k experts); --budget does not apply (the planner does not price MoE layers yet); the peers are
+and k experts); --budget plans them like the dense rows (MoE plans not yet measured on a GPU); the peers are
 skipped with the reason (MOE_PEER_SKIP).
 
 Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
@@ -89,8 +89,8 @@ _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=256)
 _TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # and E, k, F of one expert
 # Models cut to their first N layers by default (--layers N overrides, for every model named; the row's
-# note says "N of L layers"). Qwen3-30B-A3B's 48 layers do not fit one 80 GB H100 without offload (and
-# lean's planner does not price MoE layers yet). Per layer, bf16 and 8192 tokens: frozen weights 1.25 GB
+# note says "N of L layers"). Qwen3-30B-A3B's 48 layers do not fit one 80 GB H100 without offload.
+# Per layer, bf16 and 8192 tokens: frozen weights 1.25 GB
 # (experts 128 x 3 x 2048 x 768 x 2 B = 1.21 GB, attention 0.04), expert LoRA r 16 (gate_up rank 32)
 # 20.4M parameters x 18 B (fp32 param, grad, AdamW m and v; bf16 copy) = 0.37 GB, saved activations
 # ~0.5 GB (attention rows 0.3, the expert rows h (P, 2F) 0.2): ~2.1 GB, plus ~2.5 GB for the untied

@@ -5,6 +5,11 @@ Supported architectures (dense decoders with RMSNorm, RoPE, GQA attention and a 
   Qwen2ForCausalLM  bias on q/k/v (always, as in transformers), none on o
   Qwen3ForCausalLM  per-head RMSNorm on q and k over head_dim before RoPE; head_dim may differ
                     from hidden/heads
+  GptOssForCausalLM  biased q/k/v/o, a learned sink logit per head in the softmax denominator,
+                    sliding-window attention on the layers layer_types marks sliding_attention,
+                    YaRN RoPE; every MLP a Mixture-of-Experts block with a biased router, top-k on
+                    the logits then softmax over the k, biased experts stored (E, in, out) with
+                    gate/up interleaved and the clamped GLU (swiglu_limit, swiglu_alpha)
   Qwen3MoeForCausalLM  Qwen3's attention; the MLP of layer i is a Mixture-of-Experts block (E experts
                     of width moe_intermediate_size, top-k routing, lean/models/moe.py) unless i is in
                     mlp_only_layers or (i + 1) % decoder_sparse_step != 0, where it is a dense SwiGLU
@@ -21,9 +26,10 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -33,7 +39,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gpt_oss"
     hidden: int  # C
     n_layers: int  # L
     n_heads: int  # H
@@ -57,6 +63,17 @@ class ModelConfig:
     norm_topk: bool = False  # renormalise the top-k probabilities to sum 1
     moe_layers: tuple = ()  # indices of the layers whose MLP is the MoE block (the others are dense)
     aux_loss_coef: float = 0.0  # router_aux_loss_coef, applied when output_router_logits (else 0.0)
+    # GPT-OSS
+    windows: tuple = ()  # per layer: the sliding window of a sliding_attention layer, 0 for full attention
+    sinks: bool = False  # a learned sink logit per head (self_attn.sinks (H,))
+    softmax_first: bool = True  # routing: softmax over E then top-k (Qwen3-MoE); False: top-k then softmax (GPT-OSS)
+    expert_bias: bool = False  # router and expert biases; experts stored (E, in, out), gate/up interleaved (GPT-OSS)
+    glu_limit: float = 0.0  # the clamped GLU's limit (GPT-OSS swiglu_limit); 0: SwiGLU
+    glu_alpha: float = 1.0  # its sigmoid slope (swiglu_alpha)
+
+    def window(self, layer):
+        """Layer `layer`'s sliding window (0: full causal attention)."""
+        return self.windows[layer] if self.windows else 0
 
     def is_moe(self, layer):
         """Whether layer `layer`'s MLP is the Mixture-of-Experts block."""
@@ -104,13 +121,14 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     if n_heads % n_kv:
         _refuse(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and arch != "gpt_oss":
         _refuse(f"hidden_act={act!r}: lean implements the SwiGLU MLP with silu only")
     if cfg.get("mlp_bias"):
         _refuse("mlp_bias=true: lean's MLP projections have no bias")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         _refuse("pretraining_tp != 1 is not supported (set it to 1; it only changes the matmul split)")
-    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
+    if arch != "gpt_oss" and (cfg.get("use_sliding_window")
+                              or any(t != "full_attention" for t in (cfg.get("layer_types") or []))):
         _refuse("sliding-window attention layers are not supported for this architecture yet "
                 "(set use_sliding_window=false)")
     if not 16 <= head_dim <= 256 or head_dim % 2:
@@ -136,7 +154,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
     attention_bias = bool(cfg.get("attention_bias", False))
     n_layers = _int(cfg, "num_hidden_layers")
-    moe = _moe_fields(cfg, n_layers) if arch == "qwen3_moe" else {}
+    moe = _moe_fields(cfg, n_layers) if arch == "qwen3_moe" else _gpt_oss_fields(cfg, n_layers) if arch == "gpt_oss" else {}
     return ModelConfig(
         arch=arch,
         hidden=hidden,
@@ -144,13 +162,14 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate=_int(cfg, "intermediate_size") if not moe else int(cfg.get("intermediate_size", 6144)),
+        intermediate=(_int(cfg, "intermediate_size") if not moe
+                      else int(cfg.get("intermediate_size", 6144 if arch == "qwen3_moe" else 2880))),
         vocab=_int(cfg, "vocab_size"),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         # transformers 4.x omits the key when it equals PretrainedConfig's default (True).
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=True if arch == "qwen2" else attention_bias,
-        o_bias=attention_bias if arch == "llama" else False,
+        o_bias=attention_bias if arch in ("llama", "gpt_oss") else False,
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -181,3 +200,23 @@ def _moe_fields(cfg, n_layers):
     coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0
     return dict(n_experts=E, top_k=K, moe_intermediate=F, norm_topk=bool(cfg.get("norm_topk_prob", False)),
                 moe_layers=layers, aux_loss_coef=coef)
+
+
+def _gpt_oss_fields(cfg, n_layers):
+    """GPT-OSS's fields, as transformers 5's GptOssConfig reads them (its defaults where absent):
+    every layer an MoE block of num_local_experts experts of width intermediate_size."""
+    E = int(cfg.get("num_local_experts", cfg.get("num_experts", 128)))
+    K = int(cfg.get("num_experts_per_tok", 4))
+    if not 1 <= K <= E <= 256:
+        _refuse(f"num_experts_per_tok={K} with num_local_experts={E}: need 1 <= k <= E <= 256")
+    window = int(cfg.get("sliding_window") or 128)
+    types = list(cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(n_layers)])
+    if len(types) != n_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        _refuse(f"layer_types={types!r}: expected {n_layers} of 'sliding_attention' / 'full_attention'")
+    coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0
+    return dict(n_experts=E, top_k=K, moe_intermediate=int(cfg.get("intermediate_size", 2880)), norm_topk=False,
+                moe_layers=tuple(range(n_layers)), aux_loss_coef=coef,
+                windows=tuple(window if t == "sliding_attention" else 0 for t in types), sinks=True,
+                softmax_first=False, expert_bias=True, glu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                glu_alpha=float(cfg.get("swiglu_alpha", 1.702)))

@@ -35,8 +35,15 @@ def layer_fields(cfg: ModelConfig, li: int = 0):
     adjacent so that one (Oq + 2*Okv, C) view covers them."""
     C, F, D = cfg.hidden, cfg.intermediate, cfg.head_dim
     Oq, Okv = cfg.q_dim, cfg.kv_dim
-    if cfg.is_moe(li):
-        E, Fe = cfg.n_experts, cfg.moe_intermediate
+    E, Fe = cfg.n_experts, cfg.moe_intermediate
+    if cfg.is_moe(li) and cfg.expert_bias:  # GPT-OSS: experts stored (E, in, out), gate/up interleaved
+        mlp = [("router", "mlp.router.weight", (E, C)),
+               ("router_bias", "mlp.router.bias", (E,)),
+               ("gate_up", "mlp.experts.gate_up_proj", (E, C, 2 * Fe)),
+               ("gate_up_bias", "mlp.experts.gate_up_proj_bias", (E, 2 * Fe)),
+               ("down_e", "mlp.experts.down_proj", (E, Fe, C)),
+               ("down_bias", "mlp.experts.down_proj_bias", (E, C))]
+    elif cfg.is_moe(li):
         mlp = [("router", "mlp.gate.weight", (E, C)),
                ("gate_up", "mlp.experts.gate_up_proj", (E, 2 * Fe, C)),
                ("down_e", "mlp.experts.down_proj", (E, C, Fe))]
@@ -62,13 +69,15 @@ def layer_fields(cfg: ModelConfig, li: int = 0):
     if cfg.qk_norm:
         f += [("q_norm", "self_attn.q_norm.weight", (D,)),
               ("k_norm", "self_attn.k_norm.weight", (D,))]
+    if cfg.sinks:
+        f += [("sinks", "self_attn.sinks", (cfg.n_heads,))]
     return f
 
 
 def expert_aliases(layer, li, cfg: ModelConfig):
     """(HF name, view, fused name) of an MoE layer's per-expert tensors (the hub's layout): each
     is one expert's slice of a fused view; a checkpoint holds either these or the fused tensors."""
-    if not cfg.is_moe(li):
+    if not cfg.is_moe(li) or cfg.expert_bias:  # GPT-OSS checkpoints hold the fused tensors
         return
     Fe, pre = cfg.moe_intermediate, f"model.layers.{li}.mlp.experts"
     for e in range(cfg.n_experts):
@@ -96,7 +105,8 @@ class Layer:
             setattr(self, name, self.buf[off:off + n].view(shape))
             off += n
         for name in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
-                     "gate", "up", "down", "router", "gate_up", "down_e"):
+                     "gate", "up", "down", "router", "gate_up", "down_e", "sinks", "router_bias",
+                     "gate_up_bias", "down_bias"):
             if not hasattr(self, name):
                 setattr(self, name, None)
 

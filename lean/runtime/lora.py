@@ -125,7 +125,7 @@ class LoRA:
         for i in range(cfg.n_layers):
             for t in layer_targets(cfg, i, self.targets):
                 out_f, in_f = _target_shape(cfg, t)
-                R = self.r * (2 if t == "gate_up" else 1)
+                R = self.r * (2 if t == "gate_up" and not cfg.expert_bias else 1)  # PEFT's Qwen3-MoE pattern
                 sa, sb = ((R, in_f), (out_f, R)) if t not in EXPERT_TARGETS else \
                     ((cfg.n_experts, R, in_f), (cfg.n_experts, out_f, R))
                 self.layout.append((i, t, off, sa, sb))

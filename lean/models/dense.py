@@ -10,7 +10,9 @@ One layer, with s the residual stream entering it and d the previous layer's MLP
     q, k, v = n1 Wq^T (+bq), n1 Wk^T (+bk), n1 Wv^T (+bv)      each with its LoRA term
     q, k = rmsnorm_head(q), rmsnorm_head(k)                      (Qwen3 only; one kernel with rope)
     q, k = rope(q), rope(k)
-    o    = attention(q, k, v)          (causal within each packed document)
+    o    = attention(q, k, v)          (causal within each packed document; GPT-OSS: a sink logit
+                                        per head in the softmax denominator, a sliding window on
+                                        the layers cfg.windows names)
     a    = o Wo^T (+bo)
     mid  = x + a                       (fused into norm2)
     n2   = rmsnorm(mid) * w_post
@@ -99,6 +101,11 @@ class Saved(NamedTuple):
     gate: torch.Tensor  # (N, F)
     up: torch.Tensor  # (N, F)
     moe: object = None  # moe.MoeSaved of an MoE layer (whose gate and up are None)
+
+
+def _attn_options(w, cfg, li):
+    """GPT-OSS's attention options (a sink logit per head, a sliding window on some layers); none else."""
+    return dict(sinks=w.sinks, window=cfg.window(li)) if cfg.sinks or cfg.windows else {}
 
 
 _TARGET_ID = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
@@ -204,7 +211,7 @@ def layer_forward(s, d, w, ads, ctx, li, cfg, rebuild=None, keep=None):
         rope_fwd(q.view(N, H, D), k.view(N, KVH, D), ctx.cos, ctx.sin)
     o, lse = new(N, H * D), new(H, N, dt=torch.float32)
     attention_fwd(o.view(N, H, D), lse, q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D),
-                  ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+                  ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale, **_attn_options(w, cfg, li))
     if keep is not None:
         q = k = v = None
     a = new(N, C)
@@ -288,7 +295,7 @@ def _attention_backward(g, sv, w, ads, ctx, li, cfg, waiting):
     with masked_exp2_quiet():
         attention_bwd(dq.view(N, H, D), dk.view(N, KVH, D), dv.view(N, KVH, D), delta, do.view(N, H, D),
                       sv.q.view(N, H, D), sv.k.view(N, KVH, D), sv.v.view(N, KVH, D), sv.o.view(N, H, D),
-                      sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale)
+                      sv.lse, ctx.cu_seqlens, ctx.max_seqlen, ctx.attn_scale, **_attn_options(w, cfg, li))
     del do, delta
     if cfg.qk_norm:  # through rope and the per-head norms to the projections' outputs (dq, dk only read)
         dq_pre, dk_pre = new(N, H * D), new(N, KVH * D)

@@ -47,6 +47,8 @@ import torch
 
 from ..kernels.grouped_gemm import gmm, gmm_wgrad
 from ..kernels.lora_linear import linear_bwd, linear_fwd
+from ..kernels.moe_bias_dot import expert_bias_dot
+from ..kernels.moe_glu import moe_glu_bwd, moe_glu_fwd
 from ..kernels.moe_group import group_slots, moe_act_bwd, moe_combine
 from ..kernels.moe_route import route_topk_bwd, route_topk_fwd
 from ..kernels.swiglu import swiglu_fwd
@@ -76,6 +78,32 @@ def _lora(ad, xa, b):
     return None if ad is None else (xa, b, ad.scale)
 
 
+def _experts(w, cfg):
+    """(Wgu (E, 2F, C), Wd (E, C, F)): the expert weights as (E, out, in) views. Qwen3-MoE stores
+    them so; GPT-OSS stores (E, in, out) (gate_up (E, C, 2F) with gate/up interleaved, down
+    (E, F, C)), seen here transposed, without a copy."""
+    if cfg.expert_bias:
+        return w.gate_up.transpose(1, 2), w.down_e.transpose(1, 2)
+    return w.gate_up, w.down_e
+
+
+def _act_fwd(act, h, cfg):
+    """act (P, F) from the gate/up rows h (P, 2F): SwiGLU on the halves, or GPT-OSS's clamped GLU
+    on the interleaved columns."""
+    F = act.shape[1]
+    if cfg.glu_limit:
+        moe_glu_fwd(act, h, limit=cfg.glu_limit, alpha=cfg.glu_alpha)
+    else:
+        swiglu_fwd(act, h[:, :F], h[:, F:])
+
+
+def _act_bwd(dh, dw, G, h, weights, order, act, cfg):
+    if cfg.glu_limit:
+        moe_glu_bwd(dh, dw, G, h, weights, order, limit=cfg.glu_limit, alpha=cfg.glu_alpha, act=act)
+    else:
+        moe_act_bwd(dh, dw, G, h, weights, order, act=act)
+
+
 def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
     """m (N, C) = the MoE block of n2 (N, C); returns MoeSaved. rebuild (backward's recompute):
     m is None and nothing is summed into it, nor into the per-step counts."""
@@ -86,9 +114,9 @@ def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
     st = None if rebuild else ctx.moe
     # routing: router logits, top-K, slots grouped by expert
     logits = new(N, E)
-    linear_fwd(logits, n2, w.router)
+    linear_fwd(logits, n2, w.router, bias=w.router_bias)
     weights, experts = new(N, K), new(N, K, dt=torch.int32)
-    route_topk_fwd(weights, experts, logits, norm_topk=cfg.norm_topk,
+    route_topk_fwd(weights, experts, logits, norm_topk=cfg.norm_topk, softmax_first=cfg.softmax_first,
                    prob_sum=st.prob_sum if st is not None else None)
     order, slot_pos, offsets = new(P, dt=torch.int32), new(P, dt=torch.int32), new(E + 1, dt=torch.int32)
     group_slots(order, slot_pos, offsets, experts, counts=st.counts if st is not None else None)
@@ -97,10 +125,12 @@ def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
     if gu is not None:
         xa_gu = new(P, gu.a_lowp.shape[1])  # (P, 2R)
         gmm(xa_gu, n2, gu.a_lowp, offsets, gather=order, gather_div=K)
+    wgu, wd = _experts(w, cfg)
     h = new(P, 2 * F)
-    gmm(h, n2, w.gate_up, offsets, gather=order, gather_div=K, lora=_lora(gu, xa_gu, gu.b_lowp if gu else None))
+    gmm(h, n2, wgu, offsets, gather=order, gather_div=K, lora=_lora(gu, xa_gu, gu.b_lowp if gu else None),
+        bias=w.gate_up_bias)
     act = new(P, F)
-    swiglu_fwd(act, h[:, :F], h[:, F:])
+    _act_fwd(act, h, cfg)
     xa_d = None
     if dn is not None:
         xa_d = new(P, dn.a_lowp.shape[1])  # (P, R)
@@ -109,7 +139,7 @@ def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
     if rebuild:  # the backward needs neither y_s nor m
         return saved
     y = new(P, C)
-    gmm(y, act, w.down_e, offsets, lora=_lora(dn, xa_d, dn.b_lowp if dn else None))
+    gmm(y, act, wd, offsets, lora=_lora(dn, xa_d, dn.b_lowp if dn else None), bias=w.down_bias)
     del act
     moe_combine(m, y, slot_pos, weights)
     return saved
@@ -128,13 +158,16 @@ def moe_backward(dn2, g, sv, w, ads, ctx, cfg):
     if dn is not None:
         gb = new(P, dn.a_lowp.shape[1])  # (P, R) = g[tok] Bd_e
         gmm(gb, g, dn.b_lowp.transpose(1, 2), offsets, gather=order, gather_div=K)
+    wgu, wd = _experts(w, cfg)
     G = new(P, F)
-    gmm(G, g, w.down_e.transpose(1, 2), offsets, gather=order, gather_div=K,
+    gmm(G, g, wd.transpose(1, 2), offsets, gather=order, gather_div=K,
         lora=_lora(dn, gb, dn.a_lowp.transpose(1, 2) if dn else None))
     dw = new(N, K, dt=torch.float32)
     act = new(P, F) if dn is not None else None
     dh = sv.h  # in place: h is dead once read
-    moe_act_bwd(dh, dw, G, sv.h, sv.weights, order, act=act)
+    _act_bwd(dh, dw, G, sv.h, sv.weights, order, act, cfg)
+    if w.down_bias is not None:  # y = act Wd^T + bd: dw also gets <g, bd>
+        expert_bias_dot(dw, g, w.down_bias, sv.experts)
     del G
     if dn is not None:
         gmm_wgrad(dn.db, g, sv.xa_d, offsets, gather_a=order, gather_div=K, scale=slot, alpha=dn.scale)
@@ -147,12 +180,12 @@ def moe_backward(dn2, g, sv, w, ads, ctx, cfg):
         gmm(dhb, dh, gu.b_lowp.transpose(1, 2), offsets)
         gmm_wgrad(gu.db, dh, sv.xa_gu, offsets, alpha=gu.scale)
     dX = new(P, dn2.shape[1])
-    gmm(dX, dh, w.gate_up.transpose(1, 2), offsets, lora=_lora(gu, dhb, gu.a_lowp.transpose(1, 2) if gu else None))
+    gmm(dX, dh, wgu.transpose(1, 2), offsets, lora=_lora(gu, dhb, gu.a_lowp.transpose(1, 2) if gu else None))
     moe_combine(dn2, dX, sv.slot_pos)
     del dX
     # the router: dw back through renormalise / top-K / softmax, then into dn2 through Wr
     dlogits = new(N, cfg.n_experts)
-    route_topk_bwd(dlogits, dw, sv.logits, sv.experts, norm_topk=cfg.norm_topk,
+    route_topk_bwd(dlogits, dw, sv.logits, sv.experts, norm_topk=cfg.norm_topk, softmax_first=cfg.softmax_first,
                    aux_grad=ctx.moe.aux_grad if ctx.moe is not None else None)
     linear_bwd(dn2, dlogits, w.router, accumulate=True)
     return None if gu is None else (dhb, order, offsets)

@@ -28,7 +28,7 @@ from ..kernels.kv_attention import kv_attention_fwd
 from ..kernels.rmsnorm import rmsnorm_fwd
 from ..kernels.rope import rope_fwd, rope_inv_freq, rope_table
 from ..kernels.swiglu import swiglu_fwd
-from ..models.dense import Ctx, proj_fwd
+from ..models.dense import Ctx, _attn_options, proj_fwd
 from ..models.moe import moe_forward
 
 
@@ -68,7 +68,7 @@ def _layer_cached(s, d, w, ads, ctx, li, cfg, kc, vc, P, cos, sin):
     q3 = q.view(T, H, D)
     rope_fwd(q3, k.view(T, KVH, D), cos[P:P + T], sin[P:P + T])
     o = new(T, H * D)
-    kv_attention_fwd(o.view(T, H, D), q3, kc, vc, P, ctx.attn_scale)
+    kv_attention_fwd(o.view(T, H, D), q3, kc, vc, P, ctx.attn_scale, **_attn_options(w, cfg, li))
     a = new(T, C)
     proj_fwd(a, unused, o, w.o, w.o_bias, ads.get("o"), "o", ctx, li)
     mid, n2 = new(T, C), new(T, C)

@@ -162,6 +162,10 @@ def _fill(cfg, named, dtype, device, path):
         if fused in seen:
             seen.add(p)
     missing = [n for n in targets if n not in seen]
+    if any(n.endswith(("_blocks", "_scales")) for n in unexpected):
+        raise ModelLoadError(f"{path or 'tensors'}: the experts are stored in MXFP4 (*_blocks, *_scales), which lean "
+                             "does not load yet: write a bf16 copy once with transformers (from_pretrained(..., "
+                             "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained(dir)) and train on it")
     if missing or unexpected:
         parts = []
         if missing:

@@ -155,7 +155,7 @@ class LoRA:
     def target_scale(self, t):
         """alpha / r of target t: gate_up's rank and alpha are both doubled (PEFT's patterns), which
         changes the scale under rsLoRA only."""
-        k = 2 if t == "gate_up" else 1
+        k = 2 if t == "gate_up" and not self.model_config.expert_bias else 1
         return k * self.alpha / (math.sqrt(k * self.r) if self.use_rslora else k * self.r)
 
     # ---- construction -------------------------------------------------------------------------
@@ -282,7 +282,7 @@ class LoRA:
         modules = [t for t in self.targets if not (moe and t in ("gate", "up", "down"))]
         params = ([f"mlp.experts.{p}" for t, p in (("gate_up", "gate_up_proj"), ("down_e", "down_proj"))
                    if any(t == u for _, u, *_ in self.layout)] if moe else None)
-        gate_up = moe and params and params[0].endswith("gate_up_proj")
+        gate_up = moe and params and params[0].endswith("gate_up_proj") and not self.model_config.expert_bias
         return {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model_name,
             "r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.use_rslora,
@@ -340,7 +340,8 @@ def _expert_targets(pc, cfg):
         raise LoRAError(f"target_parameters={params!r}: lean adapts an MoE model's mlp.experts.gate_up_proj "
                         "and mlp.experts.down_proj, nothing else")
     r, alpha = pc["r"], float(pc.get("lora_alpha", PEFT_DEFAULT_ALPHA))
-    patterns = ({GATE_UP_PATTERN: 2 * r}, {GATE_UP_PATTERN: 2 * alpha}) if "gate_up_proj" in names else ({}, {})
+    doubled = "gate_up_proj" in names and not cfg.expert_bias  # PEFT's Qwen3-MoE pattern; GPT-OSS: rank r
+    patterns = ({GATE_UP_PATTERN: 2 * r}, {GATE_UP_PATTERN: 2 * alpha}) if doubled else ({}, {})
     got = ({k: v for k, v in (pc.get("rank_pattern") or {}).items()},
            {k: float(v) for k, v in (pc.get("alpha_pattern") or {}).items()})
     if got != (patterns[0], {k: float(v) for k, v in patterns[1].items()}):

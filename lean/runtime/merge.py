@@ -39,8 +39,12 @@ def merged_tensors(model, lora, dtype):
             w32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (O, K) or (E, O, K)
             w32.copy_(w)
             scale = ad.scale if ad.scale is not None else lora.scale
+            swap = w.dim() == 3 and model.config.expert_bias  # GPT-OSS stores W_e (in, out): += scale (B A)^T
             for we, b, a in zip(*((w32, ad.b, ad.a) if w.dim() == 3 else ([w32], [ad.b], [ad.a]))):
-                matmul(we, b, a, accumulate=True, alpha=scale)  # W += scale * B A (per expert)
+                if swap:
+                    matmul(we, a.t(), b.t(), accumulate=True, alpha=scale)
+                else:
+                    matmul(we, b, a, accumulate=True, alpha=scale)  # W += scale * B A (per expert)
             w = w32
         out[name] = w.to(device="cpu", dtype=dtype).contiguous()  # sync: merge is a save point
     return out

@@ -13,11 +13,28 @@ Backward, with p_ij = exp(s_ij - lse_i) recomputed from lse and delta_i = sum_d 
     (dk, dv of a kv head sum over its G query heads)
 The kernels work in log2 units: scores are multiplied by scale * log2(e) and exponentiated with exp2.
 
+GPT-OSS's two options (transformers 5.24, models/gpt_oss/modeling_gpt_oss.py and masking_utils.py):
+    sinks (H,): one logit per head, appended to every row's scaled scores and dropped after the
+        softmax (HF's eager_attention_forward: it is not multiplied by `scaling`), so it enters
+        the denominator only:  p_ij = exp(s_ij - lse_i),  lse_i = log(sum_j exp(s_ij) + exp(sink_h)).
+        The forward starts the online softmax from the sink, (m, l) = (sink, 1); the saved lse
+        includes it, so backward's recomputed p_ij is right as is, and delta_i = o_i . do_i still
+        equals sum_j p_ij dp_ij (the sink has no value row: its dp is 0). dq/dk/dv are exact; the
+        sink's own gradient (-sum_i p_i,sink delta_i) is not computed (GPT-OSS's sinks are frozen).
+    window W >= 1 (0: off): key j is visible from query i iff j <= i and i - j < W (HF's
+        sliding_window_overlay is `kv_idx > q_idx - sliding_window`, anded with the causal mask):
+        each query sees its W most recent keys, itself included. Key blocks wholly outside a query
+        block's window are never visited (forward and dq: _key_blocks; dk/dv: _query_blocks give
+        the loops' bounds); blocks the window's edge cuts are masked, blocks wholly inside are not.
+        The kernels visit exactly the tiles holding a visible pair (tested by counting them).
+
 Inputs and outputs:
     q (N, H, D), k, v (N, KVH, D): fp32, fp16 or bf16, one dtype; any strides with a unit last
         stride (slices of one fused qkv buffer are fine).
     cu_seqlens (B+1,) int32 on the device: document b is rows cu[b]:cu[b+1] (cu[0] = 0, cu[B] = N,
         non-decreasing; empty documents allowed). max_seqlen: host int >= the longest document.
+    sinks: None or (H,) contiguous, fp32 or a 16-bit dtype (the checkpoint's), read as fp32.
+    window: host int, 0 (full causal) or W >= 1; one per layer (GPT-OSS: its sliding_attention layers).
     o (N, H, D) q's dtype; lse (H, N) fp32 -- the only thing forward saves besides its inputs and o.
     Backward: dq (N, H, D), dk, dv (N, KVH, D) in q's dtype, written with = (never accumulated);
         delta (H, N) fp32 is caller-provided scratch (delta = rowsum(o * do)).
@@ -33,6 +50,11 @@ Deterministic: no atomics. dk/dv are computed per (key block, kv head), looping 
 heads inside the program; dq is a second kernel that recomputes the scores (7 matmuls per tile pair
 in backward instead of the atomic version's 5). Two runs give bit-identical gradients.
 
+Launches: the forward has five constexpr switches (PRECISION, TMA, SORTED, SINKS, WINDOW: the
+window is a constexpr, compiled per size; GPT-OSS has one, 128), the backward kernels four (no
+SINKS: lse carries them). The options add no tiles: shared memory is unchanged (sm_80/sm_90,
+checked with tools/arch_compile.py's launches), and both the pointer and the TMA loops take them.
+
 Supported: D from 16 to 256 (non powers of two padded to the next power of two with masks; GPU
 block sizes are tuned for D = 64 and 128, D = 80/96 use the 128 table and D = 256 a small-tile one);
 any G = H / KVH; fp16, bf16, and fp32 up to D = 128 (ieee dots on CUDA cores: for tests).
@@ -40,6 +62,9 @@ any G = H / KVH; fp16, bf16, and fp32 up to D = 128 (ieee dots on CUDA cores: fo
 Tested: tests/test_attention.py against a padded per-document fp64 reference and torch SDPA per
 document: fp32 and fp16 on CPU (Triton interpreter; D 32/64/80, G 1/2/4/8, lengths 0, 1, odd,
 30 documents); bf16 on H100 (D 64/80/96/128/256, 100+ documents, one 2048-token document).
+Sinks and window (fp32 and fp16 on CPU: windows 1, 3, 16 with documents longer than them, length-1
+and empty documents, G 1 to 8, D 32/80, sinks drawn in fp32 or the inputs' dtype, with and without
+TMA; bf16 GPU cases with window 128 and D 64/128/256 are gpu-marked, not yet run).
 The final tuned block configs were also cross-checked against torch's flash kernel on the two
 tools/attn_tune.py cases (max |diff| / max |ref| <= 7.5e-3 for o, dq, dk, dv).
 
@@ -49,10 +74,8 @@ Caution:
       (cu[B] < N) are never written either.
     * Offsets inside one document are int32: max_seqlen * (row stride) must stay below 2^31
       (checked); document starts are int64.
-    * Extensions kept to one place each: a sliding window (a WINDOW constexpr) would change `_keep`
-      and the first key block of each loop; per-head sink logits would start the forward's online
-      softmax at (m_i, l_i) = (sink * log2(e), 1) -- backward then reads the sink-inclusive lse as
-      is, and only the sink's own gradient (-sum_i p_i,sink * delta_i) is new.
+    * backward must be given the forward's window (its sinks are in lse; passing them is only
+      checked); a window or sinks different from the forward's give wrong gradients silently.
     * Block configs must nest (BLOCK_M % BLOCK_N == 0 for forward and dq, the reverse for dk/dv):
       the unmasked loops stop at the diagonal block's start. attention_config.config checks it.
 """
@@ -240,7 +263,8 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, row0, col, stride_kn, stride_
 # ----------------------------------------------------------------------------------------------
 # kernels. Grid axis 0 heads, axis 1 walks the documents' blocks (_work_item); programs past the
 # last block exit at once. Causal block skipping: a query block visits only key
-# blocks up to its diagonal; only the diagonal blocks pay for the mask.
+# blocks up to its diagonal (and from its window's first block on); only the diagonal blocks (and
+# those the window's edge cuts) pay for the mask.
 
 @triton.jit
 def _attention_fwd_kernel(

@@ -22,7 +22,8 @@ Online softmax in fp32, exp2 with log2(e) folded into the scale, as in attention
 
 Supported: D from 16 to 256 (padded to a power of two with masks), any G.
 Tested: tests/test_kv_attention.py against an fp64 reference (fp32 and fp16 on CPU through the
-interpreter: P 0 / odd / with T 1 and T > 1, G 1 / 3, D 64 / 80); bf16 on the GPU (gpu-marked).
+interpreter: P 0 / odd / with T 1 and T > 1, G 1 / 3, D 64 / 80; each also with sinks and windows
+1 / 3 / 16); bf16 on the GPU (gpu-marked).
 Caution: one program per (query block, head) loops over all P + T keys: fine for the short
 generations lean-train prints (its samples), not a serving kernel (no split-K over the cache).
 """

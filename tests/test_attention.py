@@ -317,3 +317,142 @@ def test_attention_bwd_rejects(field, shape, dtype, err, match):
     a = _valid_args()
     with pytest.raises(err, match=match):
         _bwd(a, **{field: torch.zeros(*shape, dtype=dtype, device=DEVICE)})
+
+
+# ---- GPT-OSS's options: sink logits and a sliding window ------------------------------------
+# (lengths, H, KVH, D, window, sinks): documents longer than the window, length-1 documents, GQA.
+OPTION_CASES = {
+    "sinks": ([37, 1, 64, 13, 0, 50], 4, 2, 32, 0, True),
+    "window1_sinks": ([37, 1, 20], 2, 1, 32, 1, True),     # without sinks p = 1 and dq = 0: no test
+    "window3_sinks_gqa4": ([37, 1, 64, 5], 4, 1, 32, 3, True),
+    "window16_gqa2": ([70, 1, 33, 16, 17], 4, 2, 32, 16, False),
+    "window16_sinks_gqa8_d80": ([50, 1, 19], 8, 1, 80, 16, True),
+}
+GPU_OPTION_CASES = {
+    "window128_sinks_d64": ([700, 1, 300, 2000, 5, 129], 16, 4, 64, 128, True),
+    "window128_sinks_d128": ([2048, 1, 513], 16, 8, 128, 128, True),
+    "window7_d128": ([300, 1, 64], 8, 2, 128, 7, False),
+    "sinks_d256": ([300, 1, 129], 4, 1, 256, 0, True),
+}
+
+
+def _check_options_case(case, dtype, tma=False):
+    """Kernel vs the padded reference in fp64 (o, lse, dq, dk, dv); in 16 bits torch's own error
+    is the same reference run at that precision. The sinks are drawn (N(0, 2^2)) in fp32 for fp32
+    inputs, in the inputs' dtype otherwise (the model's own)."""
+    lengths, H, KVH, D, window, with_sinks = case
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, dtype, g)
+    sinks = randn(H, g=g, dtype=dtype, scale=2.0) if with_sinks else None
+    scale = D ** -0.5
+    N = q.shape[0]
+    o = torch.empty(N, H, D, dtype=dtype, device=q.device)                    # (N, H, D)
+    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)             # (H, N)
+    dq, dk, dv = _grads_like(q, k, False)
+    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)           # (H, N) scratch
+    poison(o, lse, dq, dk, dv, delta)
+    attention_fwd(o, lse, q, k, v, cu, max(lengths), scale, sinks=sinks, window=window, tma=tma)
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max(lengths), scale, sinks=sinks, window=window,
+                  tma=tma)
+
+    def ref(dt):
+        qr, kr, vr = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        o_r, lse_r = attention_ref(qr, kr, vr, cu, scale, sinks=None if sinks is None else sinks.to(dt),
+                                   window=window)
+        o_r.backward(do.to(dt))
+        return {"o": o_r, "lse": lse_r, "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+
+    r64 = ref(torch.float64)
+    lowp = ref(dtype) if dtype != torch.float32 else None
+    for name, out in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_close_rule(out, r64[name], lowp[name] if lowp else None, name=name)
+    assert_close_rule(lse, r64["lse"], name="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOWP], ids=str)
+@pytest.mark.parametrize("case", list(OPTION_CASES), ids=str)
+def test_attention_sinks_window_match_reference(case, dtype):
+    _check_options_case(OPTION_CASES[case], dtype)
+
+
+@pytest.mark.parametrize("case", ["window3_sinks_gqa4", "window16_gqa2"], ids=str)
+def test_attention_sinks_window_tma_loops(case):
+    _check_options_case(OPTION_CASES[case], LOWP, tma=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [None, True], ids=["auto", "tma"])
+@pytest.mark.parametrize("case", list(GPU_OPTION_CASES), ids=str)
+def test_attention_sinks_window_match_reference_gpu(case, tma):
+    if tma and GPU_OPTION_CASES[case][3] not in (64, 128):
+        pytest.skip("the TMA loops take D = 64 / 128")
+    _check_options_case(GPU_OPTION_CASES[case], LOWP, tma=tma)
+
+
+def test_attention_window_visits_only_tiles_in_the_window():
+    # Every tile step (_fwd_step, _dkdv_step, _dq_step) is counted under the interpreter and must
+    # equal the number of (query block, key block) tiles holding at least one visible pair, times
+    # the heads: a kernel that visited the tiles outside the window and only masked them would
+    # count the full causal triangle instead (checked to be larger here).
+    from unittest import mock
+
+    from lean.kernels import attention_config as AC
+    if not AC.interpreting():
+        pytest.skip("counts the interpreter's calls")
+    lengths, H, KVH, D = [150, 1, 40, 0, 97], 2, 1, 32
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, torch.float32, g)
+
+    def expected(kernel, window):
+        q_block, k_block = AC.INTERPRET_CONFIG[kernel][:2]
+        n = 0
+        for L in lengths:
+            i = torch.arange(L)[:, None]
+            j = torch.arange(L)[None, :]
+            vis = (j <= i) & ((i - j < window) if window else True)          # (L, L)
+            for a in range(0, L, q_block):
+                for b in range(0, L, k_block):
+                    n += bool(vis[a:a + q_block, b:b + k_block].any())
+        return n * H
+
+    counts = {}
+    for window in (0, 5, 16):
+        steps = dict.fromkeys(("_fwd_step", "_dkdv_step", "_dq_step"), 0)
+
+        def counting(name):
+            inner = getattr(attention_module, name)
+
+            def step(*args, **kwargs):
+                steps[name] += 1
+                return inner(*args, **kwargs)
+            return step
+        with mock.patch.multiple(attention_module, **{name: counting(name) for name in steps}):
+            _run_options(q, k, v, do, cu, max(lengths), D ** -0.5, window)
+        counts[window] = steps
+        for name, kernel in (("_fwd_step", "fwd"), ("_dkdv_step", "dkdv"), ("_dq_step", "dq")):
+            assert steps[name] == expected(kernel, window), f"window {window}: {name} visited {steps[name]} tiles"
+    for window in (5, 16):
+        assert all(counts[window][s] < counts[0][s] for s in counts[0]), counts
+
+
+def _run_options(q, k, v, do, cu, max_seqlen, scale, window, sinks=None):
+    N, H, D = q.shape
+    o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)
+    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, sinks=sinks, window=window)
+    dq, dk, dv = _grads_like(q, k, False)
+    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("field, value, err, match", [
+    ("sinks", torch.zeros(3), ValueError, r"sinks: expected shape \(4\)"),
+    ("sinks", torch.zeros(4, dtype=torch.float64), TypeError, "sinks: expected dtype"),
+    ("window", -1, ValueError, "window: expected a host int >= 0"),
+    ("window", 2.0, ValueError, "window: expected a host int >= 0"),
+])
+def test_attention_options_rejected(field, value, err, match):
+    a = _valid_args()
+    opts = {field: value.to(DEVICE) if isinstance(value, torch.Tensor) else value}
+    with pytest.raises(err, match=match):
+        attention_fwd(a["o"], a["lse"], a["q"], a["k"], a["v"], a["cu_seqlens"], a["max_seqlen"], a["scale"], **opts)

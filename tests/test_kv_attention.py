@@ -1,4 +1,5 @@
-"""kv_attention_fwd (the decode path's attention over a KV cache) and argmax_fwd."""
+"""kv_attention_fwd (the decode path's attention over a KV cache, with GPT-OSS's sinks and window)
+and argmax_fwd."""
 import pytest
 import torch
 
@@ -31,6 +32,26 @@ def test_kv_attention_matches_reference(dtype, T, P, H, KVH, D, L):
     assert_close_rule(o, ref, lowp, atol=1e-3 if dtype != torch.float32 else 0.0, name="o")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, LOWP])
+@pytest.mark.parametrize("window, sinks", [(0, True), (1, True), (3, False), (16, True)])
+@pytest.mark.parametrize("T,P,H,KVH,D,L", CASES)
+def test_kv_attention_sinks_window_match_reference(dtype, window, sinks, T, P, H, KVH, D, L):
+    # GPT-OSS's options: drawn sink logits (fp32, or the inputs' dtype in 16 bits), the window
+    # counted back from each new token's own position (P + t)
+    g = fresh_generator()
+    q = randn(T, H, D, g=g, dtype=dtype)
+    kc = randn(L, KVH, D, g=g, dtype=dtype)
+    vc = randn(L, KVH, D, g=g, dtype=dtype)
+    s = randn(H, g=g, dtype=dtype, scale=2.0) if sinks else None
+    scale = D ** -0.5
+    o = torch.empty(T, H, D, dtype=dtype, device=DEVICE)
+    poison(o)
+    kv_attention_fwd(o, q, kc, vc, P, scale, sinks=s, window=window)
+    ref = kv_attention_ref(q, kc, vc, P, scale, sinks=s, window=window)
+    lowp = None if dtype == torch.float32 else kv_attention_sdpa(q, kc, vc, P, scale, sinks=s, window=window)
+    assert_close_rule(o, ref, lowp, atol=1e-3 if dtype != torch.float32 else 0.0, name="o")
+
+
 def test_kv_attention_rejects_bad_input():
     q = torch.zeros(1, 4, 64, device=DEVICE)
     kc = torch.zeros(8, 2, 64, device=DEVICE)
@@ -43,6 +64,10 @@ def test_kv_attention_rejects_bad_input():
         kv_attention_fwd(o, q, kc.half(), kc.half(), 0, 0.1)
     with pytest.raises(ValueError, match="shape"):
         kv_attention_fwd(o, q, kc, torch.zeros(8, 2, 32, device=DEVICE), 0, 0.1)
+    with pytest.raises(ValueError, match="sinks: expected shape"):
+        kv_attention_fwd(o, q, kc, kc, 0, 0.1, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="window"):
+        kv_attention_fwd(o, q, kc, kc, 0, 0.1, window=-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOWP])

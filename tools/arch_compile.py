@@ -92,6 +92,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     from lean.kernels.argmax import argmax_fwd
     from lean.kernels.attention import attention_bwd, attention_fwd
     from lean.kernels.gemm import tma_at_every_size
+    from lean.kernels.kv_attention import kv_attention_fwd
     from lean.kernels.lora_linear import lora_dropout_mask
     from lean.kernels.rmsnorm import rmsnorm_bwd
     from lean.models.config import config_from_hf
@@ -154,6 +155,21 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
             attention_fwd(o, lse, q, k, v, big.cu_seqlens, big.max_seqlen, 0.1, tma=tma)
             attention_bwd(t(H), t(KVH), t(KVH), torch.empty_like(lse), t(H), q, k, v, o, lse, big.cu_seqlens,
                           big.max_seqlen, 0.1, tma=tma)
+        # GPT-OSS's options (sink logits, window 128) until a model passes them: its heads (64/8, D 64),
+        # the pointer loops and the TMA loops where the arch takes them, and the cached path
+        H, KVH, D = 64, 8, 64
+        sinks = torch.empty(H, dtype=dtype, device=META)
+        t = lambda h: torch.empty(tokens, h, D, dtype=dtype, device=META)  # noqa: E731
+        lse = torch.empty(H, tokens, dtype=torch.float32, device=META)
+        q, k, v, o = t(H), t(KVH), t(KVH), t(H)
+        for tma in (False, True) if arch().tma else (False,):
+            attention_fwd(o, lse, q, k, v, big.cu_seqlens, big.max_seqlen, 0.1, sinks=sinks, window=128, tma=tma)
+            attention_bwd(t(H), t(KVH), t(KVH), torch.empty_like(lse), t(H), q, k, v, o, lse, big.cu_seqlens,
+                          big.max_seqlen, 0.1, sinks=sinks, window=128, tma=tma)
+        for T, P in ((12, 0), (1, 12)):
+            kc = torch.empty(64, KVH, D, dtype=dtype, device=META)
+            qc = torch.empty(T, H, D, dtype=dtype, device=META)
+            kv_attention_fwd(torch.empty_like(qc), qc, kc, kc, P, 0.125, sinks=sinks, window=128)
     return rec.launches
 
 

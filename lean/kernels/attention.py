@@ -13,11 +13,28 @@ Backward, with p_ij = exp(s_ij - lse_i) recomputed from lse and delta_i = sum_d 
     (dk, dv of a kv head sum over its G query heads)
 The kernels work in log2 units: scores are multiplied by scale * log2(e) and exponentiated with exp2.
 
+GPT-OSS's two options (transformers 5.24, models/gpt_oss/modeling_gpt_oss.py and masking_utils.py):
+    sinks (H,): one logit per head, appended to every row's scaled scores and dropped after the
+        softmax (HF's eager_attention_forward: it is not multiplied by `scaling`), so it enters
+        the denominator only:  p_ij = exp(s_ij - lse_i),  lse_i = log(sum_j exp(s_ij) + exp(sink_h)).
+        The forward starts the online softmax from the sink, (m, l) = (sink, 1); the saved lse
+        includes it, so backward's recomputed p_ij is right as is, and delta_i = o_i . do_i still
+        equals sum_j p_ij dp_ij (the sink has no value row: its dp is 0). dq/dk/dv are exact; the
+        sink's own gradient (-sum_i p_i,sink delta_i) is not computed (GPT-OSS's sinks are frozen).
+    window W >= 1 (0: off): key j is visible from query i iff j <= i and i - j < W (HF's
+        sliding_window_overlay is `kv_idx > q_idx - sliding_window`, anded with the causal mask):
+        each query sees its W most recent keys, itself included. Key blocks wholly outside a query
+        block's window are never visited (forward and dq: _key_blocks; dk/dv: _query_blocks give
+        the loops' bounds); blocks the window's edge cuts are masked, blocks wholly inside are not.
+        The kernels visit exactly the tiles holding a visible pair (tested by counting them).
+
 Inputs and outputs:
     q (N, H, D), k, v (N, KVH, D): fp32, fp16 or bf16, one dtype; any strides with a unit last
         stride (slices of one fused qkv buffer are fine).
     cu_seqlens (B+1,) int32 on the device: document b is rows cu[b]:cu[b+1] (cu[0] = 0, cu[B] = N,
         non-decreasing; empty documents allowed). max_seqlen: host int >= the longest document.
+    sinks: None or (H,) contiguous, fp32 or a 16-bit dtype (the checkpoint's), read as fp32.
+    window: host int, 0 (full causal) or W >= 1; one per layer (GPT-OSS: its sliding_attention layers).
     o (N, H, D) q's dtype; lse (H, N) fp32 -- the only thing forward saves besides its inputs and o.
     Backward: dq (N, H, D), dk, dv (N, KVH, D) in q's dtype, written with = (never accumulated);
         delta (H, N) fp32 is caller-provided scratch (delta = rowsum(o * do)).
@@ -33,6 +50,11 @@ Deterministic: no atomics. dk/dv are computed per (key block, kv head), looping 
 heads inside the program; dq is a second kernel that recomputes the scores (7 matmuls per tile pair
 in backward instead of the atomic version's 5). Two runs give bit-identical gradients.
 
+Launches: the forward has five constexpr switches (PRECISION, TMA, SORTED, SINKS, WINDOW: the
+window is a constexpr, compiled per size; GPT-OSS has one, 128), the backward kernels four (no
+SINKS: lse carries them). The options add no tiles: shared memory is unchanged (sm_80/sm_90,
+checked with tools/arch_compile.py's launches), and both the pointer and the TMA loops take them.
+
 Supported: D from 16 to 256 (non powers of two padded to the next power of two with masks; GPU
 block sizes are tuned for D = 64 and 128, D = 80/96 use the 128 table and D = 256 a small-tile one);
 any G = H / KVH; fp16, bf16, and fp32 up to D = 128 (ieee dots on CUDA cores: for tests).
@@ -40,6 +62,9 @@ any G = H / KVH; fp16, bf16, and fp32 up to D = 128 (ieee dots on CUDA cores: fo
 Tested: tests/test_attention.py against a padded per-document fp64 reference and torch SDPA per
 document: fp32 and fp16 on CPU (Triton interpreter; D 32/64/80, G 1/2/4/8, lengths 0, 1, odd,
 30 documents); bf16 on H100 (D 64/80/96/128/256, 100+ documents, one 2048-token document).
+Sinks and window (fp32 and fp16 on CPU: windows 1, 3, 16 with documents longer than them, length-1
+and empty documents, G 1 to 8, D 32/80, sinks drawn in fp32 or the inputs' dtype, with and without
+TMA; bf16 GPU cases with window 128 and D 64/128/256 are gpu-marked, not yet run).
 The final tuned block configs were also cross-checked against torch's flash kernel on the two
 tools/attn_tune.py cases (max |diff| / max |ref| <= 7.5e-3 for o, dq, dk, dv).
 
@@ -49,10 +74,8 @@ Caution:
       (cu[B] < N) are never written either.
     * Offsets inside one document are int32: max_seqlen * (row stride) must stay below 2^31
       (checked); document starts are int64.
-    * Extensions kept to one place each: a sliding window (a WINDOW constexpr) would change `_keep`
-      and the first key block of each loop; per-head sink logits would start the forward's online
-      softmax at (m_i, l_i) = (sink * log2(e), 1) -- backward then reads the sink-inclusive lse as
-      is, and only the sink's own gradient (-sum_i p_i,sink * delta_i) is new.
+    * backward must be given the forward's window (its sinks are in lse; passing them is only
+      checked); a window or sinks different from the forward's give wrong gradients silently.
     * Block configs must nest (BLOCK_M % BLOCK_N == 0 for forward and dq, the reverse for dk/dv):
       the unmasked loops stop at the diagonal block's start. attention_config.config checks it.
 """
@@ -73,11 +96,42 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # helpers shared by every kernel (inlined by the compiler)
 
 @triton.jit
-def _keep(q_idx, k_idx):
+def _keep(q_idx, k_idx, WINDOW: tl.constexpr):
     """The mask, in one place: does key k_idx take part in query q_idx's softmax? Indices are
-    document-relative and already broadcast to the score tile's shape. (Sliding window: also
-    `q_idx - k_idx < WINDOW`.)"""
-    return k_idx <= q_idx
+    document-relative and already broadcast to the score tile's shape. Causal, and with a
+    window (WINDOW > 0) the WINDOW most recent keys only, the query's own included (HF's rule)."""
+    keep = k_idx <= q_idx
+    if WINDOW > 0:
+        keep = keep & (q_idx - k_idx < WINDOW)
+    return keep
+
+
+@triton.jit
+def _key_blocks(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """(lo, full): the key blocks below query block [start_m, start_m + BLOCK_M)'s diagonal that
+    it visits (forward, dq): [lo, full) partly inside the window (masked), [full, start_m)
+    wholly inside (unmasked). Key blocks before lo hold no key any query of the block sees: they
+    are never visited. No window: (0, 0)."""
+    if WINDOW > 0:
+        lo = tl.maximum(start_m - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full = (tl.maximum(start_m + BLOCK_M - WINDOW, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        return lo, tl.minimum(full, start_m)
+    else:
+        return 0, 0
+
+
+@triton.jit
+def _query_blocks(start_n, seqlen, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """(full, hi): the query blocks below key block [start_n, start_n + BLOCK_N)'s diagonal that
+    visit it (dk/dv): [start_n + BLOCK_N, full) wholly inside the window (unmasked), [full, hi)
+    partly (masked). Queries from hi on see none of its keys: never visited. No window:
+    (seqlen, seqlen)."""
+    if WINDOW > 0:
+        hi = tl.minimum(seqlen, start_n + BLOCK_N - 1 + WINDOW)
+        full = start_n + tl.maximum(WINDOW // BLOCK_M * BLOCK_M, BLOCK_N)
+        return tl.minimum(full, hi), hi
+    else:
+        return seqlen, seqlen
 
 
 @triton.jit
@@ -148,16 +202,21 @@ def _loop_rows(src, row0, col, rows, stride, seqlen, offs_d, HEAD_DIM: tl.conste
 @triton.jit
 def _fwd_step(acc, m_i, l_i, q, k_src, v_src, row0, col, stride_kn, stride_vn, offs_m, offs_n, offs_d,
               seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
-    """One key block of the forward: scores, mask, and the online-softmax update (log2 units)."""
+              TMA: tl.constexpr, WINDOW: tl.constexpr):
+    """One key block of the forward: scores, mask, and the online-softmax update (log2 units).
+    A window's first blocks can hide every key from a row (m = -inf so far): exponents then
+    subtract 0 instead of -inf (p = 0, alpha = 0, no NaN)."""
     k = _loop_rows(k_src, row0, col, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     v = _loop_rows(v_src, row0, col, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)                          # (BM, BN)
     if MASK:
-        qk = tl.where(_keep(offs_m[:, None], offs_n[None, :]), qk, float("-inf"))
+        qk = tl.where(_keep(offs_m[:, None], offs_n[None, :], WINDOW), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    m_sub = m_new
+    if MASK and WINDOW > 0:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
@@ -166,7 +225,8 @@ def _fwd_step(acc, m_i, l_i, q, k_src, v_src, row0, col, stride_kn, stride_vn, o
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_src, do_src, row0, col, lse_row, delta_row, stride_qn, stride_don,
                offs_m, offs_n, offs_d, seqlen, qk_scale,
-               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+               WINDOW: tl.constexpr):
     """One query block against this program's key block, in transposed (key, query) layout.
     Rows past the document load lse = +inf (so p = 0) and delta = 0: they add exactly 0."""
     q = _loop_rows(q_src, row0, col, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM, TMA)       # (BM, BD)
@@ -176,7 +236,7 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, row0, col, lse_row, delta_row, strid
     qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)                         # (BN, BM)
     pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
     if MASK:
-        pT = tl.where(_keep(offs_m[None, :], offs_n[:, None]), pT, 0.0)
+        pT = tl.where(_keep(offs_m[None, :], offs_n[:, None], WINDOW), pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # (BN, BM)
     dsT = pT * (dpT - delta[None, :])
@@ -187,14 +247,14 @@ def _dkdv_step(dk, dv, k, v, q_src, do_src, row0, col, lse_row, delta_row, strid
 @triton.jit
 def _dq_step(dq, q, do, lse2, delta, k_src, v_src, row0, col, stride_kn, stride_vn, offs_m, offs_n,
              offs_d, seqlen, qk_scale, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
-             PRECISION: tl.constexpr, TMA: tl.constexpr):
+             PRECISION: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr):
     """One key block of dq: recompute p, then dq += ds @ k."""
     k = _loop_rows(k_src, row0, col, offs_n, stride_kn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     v = _loop_rows(v_src, row0, col, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM, TMA)  # (BN, BD)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)                          # (BM, BN)
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASK:
-        p = tl.where(_keep(offs_m[:, None], offs_n[None, :]), p, 0.0)
+        p = tl.where(_keep(offs_m[:, None], offs_n[None, :], WINDOW), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                         # (BM, BN)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -203,18 +263,21 @@ def _dq_step(dq, q, do, lse2, delta, k_src, v_src, row0, col, stride_kn, stride_
 # ----------------------------------------------------------------------------------------------
 # kernels. Grid axis 0 heads, axis 1 walks the documents' blocks (_work_item); programs past the
 # last block exit at once. Causal block skipping: a query block visits only key
-# blocks up to its diagonal; only the diagonal blocks pay for the mask.
+# blocks up to its diagonal (and from its window's first block on); only the diagonal blocks (and
+# those the window's edge cuts) pay for the mask.
 
 @triton.jit
 def _attention_fwd_kernel(
     o_ptr, lse_ptr,                                  # outputs: (N, H, D), (H, N) fp32
     q_ptr, k_src, v_src, cu_ptr,                     # inputs: (N, H, D), (N, KVH, D) x2, (B+1,)
+    sinks_ptr,                                       # (H,) sink logits (read only with SINKS)
     stride_on, stride_oh, stride_qn, stride_qh,      # row / head strides (last stride is 1)
     stride_kn, stride_kh, stride_vn, stride_vh,
     N, B, GROUP, scale,                              # tokens (= lse row stride), documents, H // KVH, scale
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
+    SINKS: tl.constexpr, WINDOW: tl.constexpr,       # a sink logit per head; sliding window (0: off)
 ):
     pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
@@ -234,18 +297,27 @@ def _attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(q_base, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM)             # (BM, BD)
-    # Sink logits would start from m_i = sink * log2(e), l_i = 1 instead.
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # the sink is a key of score `sink` and no value: the softmax starts from it
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, start_m, BLOCK_N):                 # keys before the block: no mask
+    lo, full = _key_blocks(start_m, BLOCK_M, BLOCK_N, WINDOW)
+    if WINDOW > 0:
+        for start_n in range(lo, full, BLOCK_N):               # the window's edge: masked
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                                      stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen,
+                                      qk_scale, HEAD_DIM, True, PRECISION, TMA, WINDOW)
+    for start_n in range(full, start_m, BLOCK_N):              # keys before the block: no mask
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
                                   stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                                  HEAD_DIM, False, PRECISION, TMA)
+                                  HEAD_DIM, False, PRECISION, TMA, WINDOW)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seqlen), BLOCK_N):  # diagonal
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
                                   stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                                  HEAD_DIM, True, PRECISION, TMA)
+                                  HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
     o = acc / l_i[:, None]
     o_ptrs = o_ptr + tok0 * stride_on + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
@@ -283,6 +355,7 @@ def _attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: do_src, q_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid (below)
+    WINDOW: tl.constexpr,                            # sliding window (0: off); sinks live in lse
 ):
     if SORTED:  # heads on axis 0: every kv head's item t launches together, longest documents first
         pid_n, seq_start, seqlen = _work_item(tl.program_id(1), cu_ptr, B, BLOCK_N, BLOCK_B, False, True)
@@ -303,6 +376,7 @@ def _attention_bwd_dkdv_kernel(
     v = _load_rows(v_ptr + tok0 * stride_vn + kvh * stride_vh, offs_n, stride_vn, seqlen, offs_d, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    full, hi = _query_blocks(start_n, seqlen, BLOCK_M, BLOCK_N, WINDOW)
     for g in range(GROUP):                           # the query heads sharing this kv head
         h = kvh * GROUP + g
         if TMA:
@@ -315,11 +389,16 @@ def _attention_bwd_dkdv_kernel(
         for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, seqlen), BLOCK_M):  # diagonal
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, seq_start + start_m, h * HEAD_DIM, lse_row,
                                 delta_row, stride_qn, stride_don, start_m + offs_m, offs_n, offs_d, seqlen,
-                                qk_scale, HEAD_DIM, True, PRECISION, TMA)
-        for start_m in range(start_n + BLOCK_N, seqlen, BLOCK_M):                       # below it
+                                qk_scale, HEAD_DIM, True, PRECISION, TMA, WINDOW)
+        for start_m in range(start_n + BLOCK_N, full, BLOCK_M):                         # below it
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, seq_start + start_m, h * HEAD_DIM, lse_row,
                                 delta_row, stride_qn, stride_don, start_m + offs_m, offs_n, offs_d, seqlen,
-                                qk_scale, HEAD_DIM, False, PRECISION, TMA)
+                                qk_scale, HEAD_DIM, False, PRECISION, TMA, WINDOW)
+        if WINDOW > 0:
+            for start_m in range(full, hi, BLOCK_M):                                    # the window's edge
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, seq_start + start_m, h * HEAD_DIM, lse_row,
+                                    delta_row, stride_qn, stride_don, start_m + offs_m, offs_n, offs_d, seqlen,
+                                    qk_scale, HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
     mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = dk_ptr + tok0 * stride_dkn + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -339,6 +418,7 @@ def _attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
+    WINDOW: tl.constexpr,                            # sliding window (0: off); sinks live in lse
 ):
     pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
@@ -362,14 +442,20 @@ def _attention_bwd_dq_kernel(
     lse2 = tl.load(lse_ptr + h * N + seq_start + offs_m, mask=row_ok, other=float("inf")) * _LOG2E
     delta = tl.load(delta_ptr + h * N + seq_start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, start_m, BLOCK_N):                 # keys before the block: no mask
+    lo, full = _key_blocks(start_m, BLOCK_M, BLOCK_N, WINDOW)
+    if WINDOW > 0:
+        for start_n in range(lo, full, BLOCK_N):               # the window's edge: masked
+            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
+                          stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
+                          HEAD_DIM, True, PRECISION, TMA, WINDOW)
+    for start_n in range(full, start_m, BLOCK_N):              # keys before the block: no mask
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
                       stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                      HEAD_DIM, False, PRECISION, TMA)
+                      HEAD_DIM, False, PRECISION, TMA, WINDOW)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seqlen), BLOCK_N):  # diagonal
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, seq_start + start_n, kvh * HEAD_DIM,
                       stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
-                      HEAD_DIM, True, PRECISION, TMA)
+                      HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
     dq_ptrs = dq_ptr + tok0 * stride_dqn + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
@@ -453,11 +539,23 @@ def _check_row_offsets(max_seqlen, **tensors):
                              "stay below 2^31 (int32 offsets inside a document)")
 
 
-def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, tma=None):
+def _check_options(H, dev, sinks, window):
+    if sinks is not None:
+        check(sinks, "sinks", shape=(H,), dtype=(torch.float32, torch.float16, torch.bfloat16), device=dev,
+              contiguous=True)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window: expected a host int >= 0 (0: no window), got {window!r}")
+
+
+def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, *, sinks=None, window=0, tma=None):
     """o (N, H, D) q.dtype and lse (H, N) fp32 <- causal attention of each document of q, k, v.
-    tma: the loops' loads through descriptors (None: automatic, see _use_tma)."""
+    sinks: None or (H,) sink logits (fp32 or a 16-bit dtype, read as fp32), in the softmax's
+    denominator only; lse includes them. window: 0 (off) or W >= 1, each query sees its W most
+    recent keys (itself included). tma: the loops' loads through descriptors (None: automatic,
+    see _use_tma)."""
     N, H, KVH, D, BLOCK_D = _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale)
     check(o, "o", shape=(N, H, D), dtype=q.dtype, device=q.device, last_contiguous=True)
+    _check_options(H, q.device, sinks, window)
     _check_row_offsets(max_seqlen, o=o, q=q, k=k, v=v)
     if N == 0:
         return
@@ -466,20 +564,24 @@ def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, tma=None):
     B = cu_seqlens.shape[0] - 1
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
     _attention_fwd_kernel[grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
-        o, lse, q, k_src, v_src, cu_seqlens,
+        o, lse, q, k_src, v_src, cu_seqlens, q if sinks is None else sinks,
         o.stride(0), o.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, SORTED=SORTED["fwd"],
-        num_warps=warps, num_stages=stages)
+        SINKS=sinks is not None, WINDOW=window, num_warps=warps, num_stages=stages)
 
 
-def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, tma=None):
+def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, *, sinks=None,
+                  window=0, tma=None):
     """dq, dk, dv (written with =) <- gradients of attention_fwd for incoming do; delta is scratch.
-    tma: the loops' loads through descriptors (None: automatic, see _use_tma)."""
+    sinks, window: as given to attention_fwd (the sinks are already inside lse: only checked here;
+    their own gradient is not computed). tma: the loops' loads through descriptors (None:
+    automatic, see _use_tma)."""
     N, H, KVH, D, BLOCK_D = _check_common(q, k, v, lse, cu_seqlens, max_seqlen, scale)
     dev = q.device
+    _check_options(H, dev, sinks, window)
     check(dq, "dq", shape=(N, H, D), dtype=q.dtype, device=dev, last_contiguous=True)
     check(dk, "dk", shape=(N, KVH, D), dtype=q.dtype, device=dev, last_contiguous=True)
     check(dv, "dv", shape=(N, KVH, D), dtype=q.dtype, device=dev, last_contiguous=True)
@@ -508,7 +610,7 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=SORTED["dkdv"], num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dkdv"], WINDOW=window, num_warps=warps, num_stages=stages)
 
     BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
@@ -518,4 +620,4 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=SORTED["dq"], num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dq"], WINDOW=window, num_warps=warps, num_stages=stages)

@@ -1,11 +1,14 @@
 """MXFP4 dequantisation: lean/reference/mxfp4.py against transformers' own dequantiser, and
-lean/kernels/mxfp4.py against the reference, bit for bit over every byte and every scale."""
+lean/kernels/mxfp4.py against the reference, bit for bit over every byte and every scale;
+gmm_mxfp4 against gmm on the dequantised weight."""
 import pytest
 import torch
 
-from lean.kernels.mxfp4 import mxfp4_dequant
+from lean.kernels.grouped_gemm import gmm
+from lean.kernels.mxfp4 import gmm_mxfp4, mxfp4_dequant
+from lean.reference.grouped_gemm import gmm_ref
 from lean.reference.mxfp4 import mxfp4_dequant_ref
-from tests.util import DEVICE, ON_GPU
+from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, randn
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -64,3 +67,43 @@ def test_kernel_rejects_bad_arguments():
         mxfp4_dequant(torch.empty(2, 96, device=DEVICE), blocks, scales[:, :2])
     with pytest.raises(TypeError, match="blocks: expected dtype torch.uint8"):
         mxfp4_dequant(torch.empty(2, 96, device=DEVICE), blocks.to(torch.int8), scales)
+
+
+# (P, E, A, G, transpose, gather_div or None, LoRA rank or 0, bias): Wd (E, A, 32 G)
+GMM_CASES = [
+    (37, 8, 19, 2, False, 4, 7, True),     # gate_up: gathered, LoRA, bias; blocks along Kd
+    (37, 3, 45, 3, True, None, 5, False),  # dX: w = Wd^T, blocks along O
+    (29, 4, 33, 1, False, None, 0, True),  # down
+    (1, 1, 8, 1, True, 2, 3, True),
+]
+
+
+@pytest.mark.parametrize("case", GMM_CASES, ids=[f"P{c[0]}-E{c[1]}-{'T' if c[4] else 'N'}" for c in GMM_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, LOWP])
+def test_gmm_mxfp4(dtype, case):
+    """gmm_mxfp4 on (blocks, scales) gives gmm's bits on the dequantised weight (the same tiles and
+    products), first and last experts empty; and gmm's reference within the rule."""
+    from tests.test_grouped_gemm import _counts, _gather, _offsets
+    P, E, A, G, transpose, div, R, with_bias = case
+    g = fresh_generator()
+    offsets = _offsets(_counts(P, E, "ends", g))
+    blocks = torch.randint(0, 256, (E, A, G, 16), generator=g, device=DEVICE, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(122, 130, (E, A, G), generator=g, device=DEVICE, dtype=torch.int32).to(torch.uint8)
+    wd = torch.empty(E, A, G * 32, device=DEVICE, dtype=dtype)
+    mxfp4_dequant(wd, blocks, scales)
+    w = wd.transpose(1, 2) if transpose else wd
+    O, Kd = w.shape[1:]
+    X, gather = _gather(P, div, g)
+    x = randn(X, Kd, g=g, dtype=dtype)
+    lora = None if not R else (randn(P, R, g=g, dtype=dtype, scale=0.5), randn(E, O, R, g=g, dtype=dtype), 0.75)
+    bias = randn(E, O, g=g, dtype=torch.float32) if with_bias else None
+    kw = dict(gather=gather, gather_div=div or 1, lora=lora, bias=bias)
+    y = torch.full((P, O), float("nan"), device=DEVICE, dtype=dtype)
+    gmm_mxfp4(y, x, blocks, scales, offsets, transpose=transpose, **kw)
+    y_gmm = torch.full((P, O), float("nan"), device=DEVICE, dtype=dtype)
+    gmm(y_gmm, x, w, offsets, **kw)
+    assert torch.equal(y, y_gmm), f"differs from gmm on the dequantised weight: {(y - y_gmm).abs().max()}"
+    up = None if lora is None else (lora[0].double(), lora[1].double(), lora[2])
+    ref = gmm_ref(x.double(), w.double(), offsets, gather=gather, gather_div=div or 1, lora=up,
+                  bias=None if bias is None else bias.double())
+    assert_close_rule(y, ref, None if dtype == torch.float32 else gmm_ref(x, w, offsets, **kw), name="y")

@@ -79,7 +79,7 @@ GMM_CASES = [
 ]
 
 
-def _run_gmm(case, dtype, g):
+def _run_gmm(case, dtype, g, bias_dtype=None):
     P, E, layout, O, Kd, div, wt, R, acc = case
     counts = _counts(P, E, layout, g)
     offsets = _offsets(counts)
@@ -91,17 +91,18 @@ def _run_gmm(case, dtype, g):
         xa = randn(P, R, g=g, dtype=dtype, scale=0.5)
         b = _weight(E, O, R, not wt, g, dtype)
         lora = (xa, b, 0.75)
+    bias = None if bias_dtype is None else randn(E, O + 3, g=g, dtype=bias_dtype, scale=4.0)[:, 2:O + 2]  # row stride > O
     y, base, inside = _guarded(P, O, dtype)
     y0 = randn(P, O, g=g, dtype=dtype)
     if acc:
         y.copy_(y0)
-    gmm(y, x, w, offsets, gather=gather, gather_div=div or 1, lora=lora, accumulate=acc)
+    gmm(y, x, w, offsets, gather=gather, gather_div=div or 1, lora=lora, bias=bias, accumulate=acc)
     up = None if lora is None else (lora[0].double(), lora[1].double(), lora[2])
     ref = gmm_ref(x.double(), w.double(), offsets, gather=gather, gather_div=div or 1, lora=up,
-                  y0=y0.double() if acc else None)
+                  bias=None if bias is None else bias.double(), y0=y0.double() if acc else None)
     lowp = None
     if dtype != torch.float32:
-        lowp = gmm_ref(x, w, offsets, gather=gather, gather_div=div or 1, lora=lora, y0=y0 if acc else None)
+        lowp = gmm_ref(x, w, offsets, gather=gather, gather_div=div or 1, lora=lora, bias=bias, y0=y0 if acc else None)
     assert_close_rule(y, ref, lowp, name=f"y (rows per expert {counts})")
     assert torch.isnan(base.cpu()[~inside]).all(), "gmm wrote outside y"
 
@@ -112,6 +113,23 @@ def test_gmm(dtype, case):
     """y against the per-expert reference; with accumulate, a row written twice (by a program past
     the last tile, or by another expert's program) counts twice and fails."""
     _run_gmm(case, dtype, fresh_generator())
+
+
+# (case, bias dtype or None = the model dtype): GPT-OSS's gate_up (gather, transposed w, LoRA) and down
+BIAS_CASES = [
+    ((37, 8, "ends", 33, 93, 2, True, 7, False), None),         # gate_up: w = gate_up_proj.transpose(1, 2)
+    ((37, 8, "random", 67, 45, None, True, 0, False), torch.float32),   # down, an fp32 bias
+    ((7, 3, "ends", 19, 100, 1, False, 1, True), torch.float32),         # with accumulate
+    ((1, 1, "random", 37, 19, None, False, 0, False), None),
+]
+
+
+@pytest.mark.parametrize("case,bias_dtype", BIAS_CASES, ids=[f"P{c[0]}-E{c[1]}-{'fp32' if b else 'model'}" for c, b in BIAS_CASES])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gmm_bias(dtype, case, bias_dtype):
+    """y = x w[e]^T (+ LoRA) + bias[e] (+ y): each row gets its own expert's bias, in the model
+    dtype or fp32; empty experts' bias rows are never read into another's rows."""
+    _run_gmm(case, dtype, fresh_generator(), bias_dtype or dtype)
 
 
 def test_gmm_programs_past_the_last_tile_write_nothing(monkeypatch):
@@ -128,7 +146,7 @@ def test_gmm_programs_past_the_last_tile_write_nothing(monkeypatch):
         class Wide:  # the same kernel on a grid with `extra` more M-tiles of programs
             def __getitem__(self, grid):
                 return lambda *args, **kw: launch[(grid[0] + extra * -(-33 // kw["BLOCK_N"]),)](
-                    *args[:11], args[11] + extra, *args[12:], **kw)
+                    *args[:12], args[12] + extra, *args[13:], **kw)       # args[12]: tiles_m
         monkeypatch.setattr(GG, "_gmm_kernel", Wide())
         y = y0.clone()
         gmm(y, x, w, offsets, accumulate=True)
@@ -204,6 +222,10 @@ def test_rejects_bad_arguments():
         gmm(y, x, w, off, gather=torch.zeros(6, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match=r"lora b: expected shape \(3, 5, 4\)"):
         gmm(y, x, w, off, lora=(torch.randn(7, 4, device=DEVICE), torch.randn(3, 5, 3, device=DEVICE), 1.0))
+    with pytest.raises(ValueError, match=r"bias: expected shape \(3, 5\)"):
+        gmm(y, x, w, off, bias=torch.randn(3, 6, device=DEVICE))
+    with pytest.raises(TypeError, match="bias: expected dtype"):
+        gmm(y, x, w, off, bias=torch.randn(3, 5, device=DEVICE).double())
     with pytest.raises(TypeError, match="dw: expected dtype torch.float32"):
         gmm_wgrad(torch.zeros(3, 16, 5, device=DEVICE).half(), x, y, off)
     with pytest.raises(ValueError, match="row counts disagree"):

@@ -6,18 +6,23 @@ X rows of x (N tokens when gathered, else P), R LoRA rank, M and Kd the two dims
 
     offsets (E+1,) int32, on the device: rows offsets[e] .. offsets[e+1]-1 belong to expert e
             (sorted, offsets[0] = 0, offsets[E] = P; an expert may own no row)
-    gmm:       y[p] = x[r(p)] @ w[e(p)]^T  [+ scale * xa[p] @ b[e(p)]^T]  [+ y[p]]
+    gmm:       y[p] = x[r(p)] @ w[e(p)]^T  [+ scale * xa[p] @ b[e(p)]^T]  [+ bias[e(p)]]  [+ y[p]]
                r(p) = gather[p] // gather_div, else p; fp32 accumulation, one rounding to y's dtype
       y  (P, O)      bf16 / fp16 / fp32, unit last-dim stride
       x  (X, Kd)     bf16 / fp16 / fp32, any strides
       w  (E, O, Kd)  x's dtype, a unit stride in one of its last two dims (w.transpose(1, 2) of an
                      (E, Kd, O) weight is taken without a copy)
       gather (P,) int32; lora = (xa (P, R), b (E, O, R) strided, scale: float), x's dtype
+      bias (E, O)    x's dtype or fp32, unit last-dim stride: each row's expert's bias, added in the
+                     epilogue in fp32 (frozen: no gradient is computed for it)
     gmm_wgrad: dw[e] += alpha * sum_p (s_p * a[ra(p)])^T b[rb(p)]  over the rows p of expert e, in order
                ra / rb = gather_a / gather_b [p] // gather_div, else p; s_p = vec[index[p]], else 1
       dw (E, M, Kd) fp32 contiguous; a (rows, M), b (rows, Kd) one dtype; scale = (vec (P,), index (P,) int32)
       s_p * a is rounded to a's dtype before the product (as HF rounds the routing-weighted output).
 
+GPT-OSS (transformers 5.24 layout: gate_up_proj (E, C, 2F), down_proj (E, F, C), biases (E, 2F), (E, C)):
+    gate/up  gmm(h_s, n2, gate_up_proj.transpose(1, 2), off, gather=order, gather_div=K, bias=gate_up_proj_bias)
+    down     gmm(y_s, act_s, down_proj.transpose(1, 2), off, bias=down_proj_bias)
 Uses (Qwen3-MoE, /work/moe-plan.md; n2 (N, C), order the slot order, K top-k):
     gate/up  gmm(h_s, n2, Wgu, off, gather=order, gather_div=K, lora=(xa_s, B, s))  Wgu (E, 2F, C)
     LoRA xa  gmm(xa_s, n2, A, off, gather=order, gather_div=K)        A (E, R, C): O = R, BLOCK_N 16
@@ -40,7 +45,8 @@ Supported: E <= 1024, any P, O, Kd, R, M >= 0; bf16/fp16 on the tensor cores wit
 accumulation, fp32 with exact IEEE products (input_precision="ieee"), the correctness path.
 Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) under the CPU
 interpreter: P 1..37, odd O / Kd, E 1, 3, 8, empty experts (first, last, middle), all rows on one
-expert, gather_div 1/2/4, transposed w, LoRA, accumulate, guard rows and columns around y and dw,
+expert, gather_div 1/2/4, transposed w, LoRA, accumulate, per-expert bias (model dtype and fp32,
+with gather, LoRA, transposed w, accumulate), guard rows and columns around y and dw,
 every gather/scale combination of gmm_wgrad, bitwise repeatability. Its bf16 GPU test (Qwen3-30B-A3B
 sizes) has not run as a test yet; the same checks as a script did on an H100 (below). Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
@@ -49,8 +55,13 @@ Speed (H100, bf16, untuned; P 65536 = 8192 tokens x top-8, E 128 with skewed loa
 C 2048, F 768, R 16; triton do_bench): gate/up with gather + LoRA 1.09 ms (379 TF/s), dX with the
 transposed Wgu + LoRA 1.02 ms (405 TF/s); gmm_wgrad dA (gathered n2, 268 MB read) 0.108 ms, dB
 (scaled) 0.140 ms. The sm86 tiles run on the H100 (LEAN_ARCH=8.6): 1.14 / 1.15 ms.
+gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the
+dtype, not a variant). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
+mode) because GPT-OSS's gate_up and down both need it and dX accumulation may meet it; a fifth
+variant (MXFP4 weights) is a new kernel (lean/kernels/mxfp4.py's gmm_mxfp4). With BIAS, gpt-oss-20b's
+gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 on sm_80, 131,072 on sm_90.
 Caution:
-  - y must not alias x, xa, w or b. The kernels trust offsets (sorted, offsets[E] = P) and the
+  - y must not alias x, xa, w, b or bias. The kernels trust offsets (sorted, offsets[E] = P) and the
     gathers (every r(p) < X): nothing on the device checks them.
   - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows.
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
@@ -87,10 +98,11 @@ def _gmm_kernel(
     y_ptr,                                  # (P, O) out, row stride stride_ym, unit col stride
     x_ptr, w_ptr, off_ptr, gather_ptr,      # x (X, Kd), w (E, O, Kd) strided; offsets (E+1,); gather (P,)
     xa_ptr, b_ptr,                          # LoRA: xa (P, R), b (E, O, R) strided
+    bias_ptr,                               # bias (E, O), unit stride over O
     O, Kd, R, E, tiles_m, gather_div, scale,
     stride_ym, stride_xm, stride_xk, stride_we, stride_wo, stride_wk,
-    stride_am, stride_ar, stride_be, stride_bo, stride_br,
-    GATHER: tl.constexpr, LORA: tl.constexpr, ACCUMULATE: tl.constexpr,
+    stride_am, stride_ar, stride_be, stride_bo, stride_br, stride_biase,
+    GATHER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -131,6 +143,8 @@ def _gmm_kernel(
             a_ptrs += BLOCK_R * stride_ar
             b_ptrs += BLOCK_R * stride_br
         acc += scale * lacc
+    if BIAS:                                # the expert's bias row, in fp32
+        acc += tl.load(bias_ptr + e64 * stride_biase + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if ACCUMULATE:
@@ -237,8 +251,9 @@ def _rows(t, name, P, device):
         check(t, name, shape=(P,), dtype=torch.int32, device=device, contiguous=True)
 
 
-def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, accumulate=False):
-    """y (P, O) = x[r(p)] (X, Kd) @ w[e(p)] (E, O, Kd)^T [+ scale * xa b[e(p)]^T] [+ y]; see the module docstring."""
+def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, accumulate=False):
+    """y (P, O) = x[r(p)] (X, Kd) @ w[e(p)] (E, O, Kd)^T [+ scale * xa b[e(p)]^T] [+ bias[e(p)]] [+ y];
+    see the module docstring."""
     check(x, "x", shape=(None, None), dtype=FLOATS)
     X, Kd = x.shape
     check(w, "w", shape=(None, None, Kd), dtype=x.dtype, device=x.device)
@@ -259,6 +274,8 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, accumulate=Fa
         check(xa, "lora xa", shape=(P, None), dtype=x.dtype, device=x.device)
         R = xa.shape[1]
         check(b, "lora b", shape=(E, O, R), dtype=x.dtype, device=x.device)
+    if bias is not None:
+        check(bias, "bias", shape=(E, O), dtype=(x.dtype, torch.float32), device=x.device, last_contiguous=True)
     if P == 0 or O == 0:
         return
     BM, BN, BK, warps, stages = _config(triton.cdiv(P, E), O, Kd, x.dtype, x.device)
@@ -269,11 +286,12 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, accumulate=Fa
     nul = y  # unused pointer slots
     _gmm_kernel[(tiles_m * triton.cdiv(O, BN),)](
         y, x, w, offsets, gather if gather is not None else offsets,
-        xa if xa is not None else nul, b if b is not None else nul,
+        xa if xa is not None else nul, b if b is not None else nul, bias if bias is not None else nul,
         O, Kd, R, E, tiles_m, int(gather_div), float(scale),
         y.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         *(xa.stride() if xa is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
-        GATHER=gather is not None, LORA=lora is not None, ACCUMULATE=bool(accumulate),
+        bias.stride(0) if bias is not None else 0,
+        GATHER=gather is not None, LORA=lora is not None, BIAS=bias is not None, ACCUMULATE=bool(accumulate),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, BLOCK_E=_pow2(E, 16, MAX_E), GROUP_M=GROUP_M,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
 

@@ -15,8 +15,9 @@ def _rows(gather, gather_div, lo, hi):
     return (gather[lo:hi].long() // gather_div).cpu()
 
 
-def gmm_ref(x, w, offsets, *, gather=None, gather_div=1, lora=None, y0=None):
-    """y (P, O): y[p] = x[r(p)] w[e]^T [+ scale * xa[p] b[e]^T] [+ y0[p]] for the rows p of each expert e."""
+def gmm_ref(x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, y0=None):
+    """y (P, O): y[p] = x[r(p)] w[e]^T [+ scale * xa[p] b[e]^T] [+ bias[e]] [+ y0[p]] for the rows p of
+    each expert e; bias added in x's dtype (as HF adds GPT-OSS's expert biases)."""
     off = offsets.tolist()
     P, O = off[-1], w.shape[1]
     y = torch.zeros(P, O, dtype=x.dtype, device=x.device)
@@ -28,6 +29,8 @@ def gmm_ref(x, w, offsets, *, gather=None, gather_div=1, lora=None, y0=None):
         if lora is not None:
             xa, b, scale = lora
             ye = ye + scale * (xa[lo:hi] @ b[e].t())
+        if bias is not None:
+            ye = ye + bias[e].to(ye.dtype)
         y[lo:hi] = ye
     if y0 is not None:
         y = y + y0.to(y.dtype)

@@ -74,3 +74,41 @@ def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K):
         if err > 1e-4:
             bad[k] = err
     assert not bad, f"seed {seed}: {bad}"
+
+
+def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path):
+    """lean's adapter loads in PEFT with equal logits (target_parameters on the (E, in, out) experts),
+    PEFT's file loads in lean, the merge (experts += scale (B A)^T) loads in transformers with the
+    PEFT model's logits, and generation through the cache (sinks, window) equals a cache-free forward."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lean.runtime.generate import generate
+    from lean.runtime.merge import merge_and_save
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    hf, model, lora = _setup(tmp_path, oss_config(4, 2, window=3), seed)
+    docs = [rng.integers(0, model.config.vocab, n).tolist() for n in (11, 6)]
+    logits = lean.forward(model, lora, lean.pack(docs, max_tokens=32, device=DEVICE))
+    lora.save(tmp_path / "ad")
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32),
+                                   tmp_path / "ad")
+    with torch.no_grad():
+        ref = torch.cat([pm(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    assert _rel_max(logits, ref) <= 1e-5
+    pm.save_pretrained(tmp_path / "ad_peft")
+    back = lean.LoRA.load(model, tmp_path / "ad_peft")
+    for k, v in lora.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    merged = AutoModelForCausalLM.from_pretrained(merge_and_save(model, lora, tmp_path / "merged", dtype="float32"),
+                                                  dtype=torch.float32)
+    with torch.no_grad():
+        mref = torch.cat([merged(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    assert _rel_max(mref, ref) <= 1e-5
+    prompt, steps = docs[0][:7], []
+    out = generate(model, lora, prompt, max_new_tokens=5, on_logits=lambda i, lg: steps.append(lg.clone()))
+    seq = prompt + out
+    full = lean.forward(model, lora, lean.pack([seq], max_tokens=len(seq), device=DEVICE))
+    for i, lg in enumerate(steps):  # positions past the window of 3: the cache's window is exercised
+        assert _rel_max(lg[0], full[len(prompt) - 1 + i]) <= 1e-5, f"step {i}"

@@ -5,7 +5,8 @@
 Used where a real model's shapes are needed without its weights: tools/bench_step.py (random-init
 models of these configs, lean against the peers), tests/test_arch.py (every kernel compiled at the
 configs its chooser returns for these shapes) and `lean-check --model qwen3-0.6b` (random init);
-qwen3-30b-a3b (Qwen3-MoE) also by tests/test_moe_gpu.py, cut to a few of its 48 layers.
+qwen3-30b-a3b (Qwen3-MoE) also by tests/test_moe_gpu.py, cut to a few of its 48 layers; gpt-oss-20b
+(GPT-OSS, its bf16 layout: lean does not load MXFP4 checkpoints yet).
 The values are those of the models' own config.json files on the hub.
 """
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
@@ -46,4 +47,13 @@ PRESETS = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
     "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True, rms_norm_eps=1e-5,
+        swiglu_limit=7.0, tie_word_embeddings=False, max_position_embeddings=131072,
+        output_router_logits=False,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
 }

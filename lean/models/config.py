@@ -112,7 +112,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "?")
         _refuse(
             f"unsupported architecture {archs or model_type!r}: lean supports "
-            f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3, Qwen3-MoE)"
+            f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS)"
         )
     hidden = _int(cfg, "hidden_size")
     n_heads = _int(cfg, "num_attention_heads")

@@ -89,3 +89,27 @@ def test_rejects_bad_arguments():
         moe_glu_bwd(h, w.half(), torch.randn(6, 4, device=DEVICE), h, w, order)
     with pytest.raises(ValueError, match="weights: expected N \\* K = P = 6"):
         moe_glu_bwd(h, torch.empty(2, 2, device=DEVICE), torch.randn(6, 4, device=DEVICE), h, w[:2], order)
+
+
+@pytest.mark.gpu
+def test_fwd_bwd_gpu_gptoss_20b():
+    """bf16 at gpt-oss-20b's expert shapes (8192 tokens, top-4, F 2880): act and dh by the rule,
+    dweights tight against the fp64 dot of G with the kernel's act."""
+    gen = fresh_generator()
+    N, K, F, dtype = 8192, 4, 2880, torch.bfloat16
+    P = N * K
+    order = torch.randperm(P, generator=gen, device=DEVICE).to(torch.int32)
+    h, G = _h(P, F, gen, dtype), randn(P, F, g=gen, dtype=dtype)
+    w = randn(N, K, g=gen, dtype=dtype).abs()
+    act = torch.empty(P, F, device=DEVICE, dtype=dtype)
+    moe_glu_fwd(act, h, limit=LIMIT, alpha=ALPHA)
+    h64 = h.double()
+    assert_close_rule(act, moe_glu_ref(h64, LIMIT, ALPHA), moe_glu_ref(h, LIMIT, ALPHA), name="act")
+    dh, dw = torch.empty_like(h), torch.empty(N, K, device=DEVICE)
+    moe_glu_bwd(dh, dw, G, h, w, order, limit=LIMIT, alpha=ALPHA)
+    dh_ref, _, _ = moe_glu_bwd_ref(G.double(), h64, w.double(), order, LIMIT, ALPHA)
+    dh_low, _, _ = moe_glu_bwd_ref(G, h, w, order, LIMIT, ALPHA)
+    assert_close_rule(dh, dh_ref, dh_low, name="dh")
+    exact = torch.empty(P, dtype=torch.float64, device=DEVICE)
+    exact[order.long()] = (G.double() * act.double()).sum(1)
+    assert_close_rule(dw, exact.view(N, K), name="dweights (<G, act>)")

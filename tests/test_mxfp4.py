@@ -107,3 +107,34 @@ def test_gmm_mxfp4(dtype, case):
     ref = gmm_ref(x.double(), w.double(), offsets, gather=gather, gather_div=div or 1, lora=up,
                   bias=None if bias is None else bias.double())
     assert_close_rule(y, ref, None if dtype == torch.float32 else gmm_ref(x, w, offsets, **kw), name="y")
+
+
+@pytest.mark.gpu
+def test_gmm_mxfp4_gpu_gptoss_20b():
+    """bf16 at gpt-oss-20b's gate_up (8192 tokens, top-4, E 32, C = F = 2880, R 16): gmm_mxfp4 on the
+    packed weight against gmm on mxfp4_dequant's bf16 weight (torch's own bf16 error: the rule's
+    lowp) and the fp32 reference; then the dX orientation."""
+    from tests.test_grouped_gemm import _skewed_offsets
+    g = fresh_generator()
+    N, K, E, C, F, R, bf = 8192, 4, 32, 2880, 2880, 16, torch.bfloat16
+    P = N * K
+    offsets = _skewed_offsets(P, E, g)
+    order = torch.randperm(P, generator=g, device=DEVICE).to(torch.int32)
+    blocks = torch.randint(0, 256, (E, 2 * F, C // 32, 16), generator=g, device=DEVICE, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(118, 122, (E, 2 * F, C // 32), generator=g, device=DEVICE, dtype=torch.int32).to(torch.uint8)
+    wd = torch.empty(E, 2 * F, C, device=DEVICE, dtype=bf)
+    mxfp4_dequant(wd, blocks, scales)
+    x, bias = randn(N, C, g=g, dtype=bf), randn(E, 2 * F, g=g)
+    lora = (randn(P, R, g=g, dtype=bf), randn(E, 2 * F, R, g=g, dtype=bf, scale=0.02), 2.0)
+    kw = dict(gather=order, gather_div=K, lora=lora, bias=bias)
+    y, y_gmm = (torch.empty(P, 2 * F, device=DEVICE, dtype=bf) for _ in range(2))
+    gmm_mxfp4(y, x, blocks, scales, offsets, **kw)
+    gmm(y_gmm, x, wd, offsets, **kw)
+    f32 = (lora[0].float(), lora[1].float(), lora[2])
+    ref = gmm_ref(x.float(), wd.float(), offsets, gather=order, gather_div=K, lora=f32, bias=bias)
+    assert_close_rule(y, ref, y_gmm, name="gate_up")
+    dh = randn(P, 2 * F, g=g, dtype=bf)
+    dx, dx_gmm = (torch.empty(P, C, device=DEVICE, dtype=bf) for _ in range(2))
+    gmm_mxfp4(dx, dh, blocks, scales, offsets, transpose=True)
+    gmm(dx_gmm, dh, wd.transpose(1, 2), offsets)
+    assert_close_rule(dx, gmm_ref(dh.float(), wd.float().transpose(1, 2), offsets), dx_gmm, name="dX")

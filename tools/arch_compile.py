@@ -85,6 +85,29 @@ def _doc_lengths(total, rng):
     return lens
 
 
+def _gptoss_expert_launches(tokens, dtype, C=2880, F=2880, E=32, K=4, R=16):
+    """GPT-OSS's expert MLP kernels on meta tensors (gpt-oss-20b: C = F = 2880, E 32, top-4): the
+    clamped GLU both ways, gmm with the expert biases, MXFP4 dequantisation and gmm_mxfp4 in both
+    orientations (gate_up forward, dX through the transposed gate_up)."""
+    from lean.kernels.grouped_gemm import gmm
+    from lean.kernels.moe_glu import moe_glu_bwd, moe_glu_fwd
+    from lean.kernels.mxfp4 import gmm_mxfp4, mxfp4_dequant
+
+    P = tokens * K
+    t = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device=META)  # noqa: E731
+    off, order = t(E + 1, dt=torch.int32), t(P, dt=torch.int32)
+    blocks, scales = t(E, 2 * F, C // 32, 16, dt=torch.uint8), t(E, 2 * F, C // 32, dt=torch.uint8)
+    moe_glu_fwd(t(P, F), t(P, 2 * F))
+    moe_glu_bwd(t(P, 2 * F), t(tokens, K, dt=torch.float32), t(P, F), t(P, 2 * F), t(tokens, K), order, act=t(P, F))
+    mxfp4_dequant(t(E, 2 * F, C), blocks, scales)
+    lora = (t(P, R), t(E, 2 * F, R), 2.0)
+    gmm(t(P, 2 * F), t(tokens, C), t(E, C, 2 * F).transpose(1, 2), off, gather=order, gather_div=K, lora=lora,
+        bias=t(E, 2 * F))
+    gmm_mxfp4(t(P, 2 * F), t(tokens, C), blocks, scales, off, gather=order, gather_div=K, lora=lora,
+              bias=t(E, 2 * F, dt=torch.float32))
+    gmm_mxfp4(t(P, C), t(P, 2 * F), blocks, scales, off, transpose=True, lora=(t(P, R), t(E, C, R), 2.0))
+
+
 def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     """Run the step's variants for one preset on meta tensors, recording every launch."""
     import lean
@@ -138,6 +161,8 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
             ids = torch.empty(T, dtype=torch.int32, device=META)
             logits = _forward_cached(model, lora, ids, P, cache, cos, cos, ctx)
         argmax_fwd(torch.empty(1, dtype=torch.int64, device=META), logits)
+        if moe:  # GPT-OSS's expert kernels (no preset model launches them yet), at gpt-oss-20b's shapes
+            _gptoss_expert_launches(tokens, dtype)
         # kernels no step launches: the dropout mask (tests), RMSNorm's weight gradient (the norms are
         # frozen under LoRA) and attention's TMA loops forced on
         lora_dropout_mask(torch.empty(tokens, cfg.hidden, dtype=dtype, device=META), 0, 0.1)

@@ -37,7 +37,7 @@ Shared memory (triton.compile for GPUTarget on the CPU, as tools/arch_compile.py
 shapes, bf16, N 8192, K 4, E 32, C = F = 2880, R 16): mxfp4_dequant 1,024 B on every tier;
 gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) 49,152 B on sm_86/120 (limit
 101,376), 65,536 B on sm_80, 81,920 B on sm_90: gmm's tiles fit with room (the byte and scale
-tiles are decoded in registers, not staged). tools/arch_compile.py does not launch them yet.
+tiles are decoded in registers, not staged). tools/arch_compile.py launches them with the MoE preset.
 Tested: tests/test_mxfp4.py: under the interpreter, fp32 and fp16 out, bit for bit against the
 reference on every byte at every scale and random gpt-oss-like blocks, an odd block count;
 gmm_mxfp4 (fp32, fp16) equal to gmm on mxfp4_dequant's weight, both orientations, with gather,

@@ -389,6 +389,18 @@ def test_attention_sinks_window_match_reference_gpu(case, tma):
     _check_options_case(GPU_OPTION_CASES[case], LOWP, tma=tma)
 
 
+def test_attention_sinks_window_tma_loops_bit_equal_pointer_loops():
+    # the window's bounds and the sinks are the same code on both paths: the same bits (CPU configs)
+    lengths, H, KVH, D = [37, 1, 64, 13, 0, 50], 4, 2, 32
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g, fused=True)
+    sinks = randn(H, g=g, dtype=torch.float32, scale=2.0)
+    ptrs = _run_options(q, k, v, do, cu, max(lengths), D ** -0.5, 5, sinks, tma=False)
+    tma = _run_options(q, k, v, do, cu, max(lengths), D ** -0.5, 5, sinks, tma=True)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ptrs, tma):
+        assert torch.equal(a, b), f"{name}: the TMA loops differ from the pointer loops (window 5, sinks)"
+
+
 def test_attention_window_visits_only_tiles_in_the_window():
     # Every tile step (_fwd_step, _dkdv_step, _dq_step) is counted under the interpreter and must
     # equal the number of (query block, key block) tiles holding at least one visible pair, times
@@ -435,14 +447,16 @@ def test_attention_window_visits_only_tiles_in_the_window():
         assert all(counts[window][s] < counts[0][s] for s in counts[0]), counts
 
 
-def _run_options(q, k, v, do, cu, max_seqlen, scale, window, sinks=None):
+def _run_options(q, k, v, do, cu, max_seqlen, scale, window, sinks=None, tma=False):
     N, H, D = q.shape
-    o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)
-    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, sinks=sinks, window=window)
+    o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)                  # (N, H, D)
+    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)             # (H, N)
+    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, sinks=sinks, window=window, tma=tma)
     dq, dk, dv = _grads_like(q, k, False)
-    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)
-    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, sinks=sinks, window=window)
+    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)           # (H, N) scratch
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, sinks=sinks, window=window,
+                  tma=tma)
+    return o, lse, dq, dk, dv
 
 
 @pytest.mark.parametrize("field, value, err, match", [

@@ -470,3 +470,24 @@ def test_attention_options_rejected(field, value, err, match):
     opts = {field: value.to(DEVICE) if isinstance(value, torch.Tensor) else value}
     with pytest.raises(err, match=match):
         attention_fwd(a["o"], a["lse"], a["q"], a["k"], a["v"], a["cu_seqlens"], a["max_seqlen"], a["scale"], **opts)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5])
+def test_attention_reference_is_hf_gpt_oss(window):
+    # The reference's sinks and window are transformers' own: gpt_oss eager_attention_forward with
+    # the mask of masking_utils' sliding_window_causal_mask_function, one document, fp64
+    import types
+
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    H, KVH, D, L = 4, 2, 16, 23
+    g = fresh_generator()
+    q, k, v = (randn(L, h, D, g=g, dtype=torch.float64).cpu() for h in (H, KVH, KVH))
+    sinks = randn(H, g=g, dtype=torch.float64, scale=2.0).cpu()
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    keep = (sliding_window_causal_mask_function(window) if window else causal_mask_function)(0, 0, i, j)
+    mask = torch.zeros(L, L, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    module = types.SimpleNamespace(num_key_value_groups=H // KVH, sinks=sinks, training=False)
+    o_hf, _ = eager_attention_forward(module, *(t.transpose(0, 1)[None] for t in (q, k, v)), mask[None, None], 0.25)
+    o_ref, _ = attention_ref(q, k, v, torch.tensor([0, L], dtype=torch.int32), 0.25, sinks=sinks, window=window)
+    torch.testing.assert_close(o_ref, o_hf[0], rtol=1e-12, atol=1e-12)

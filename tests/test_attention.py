@@ -389,6 +389,18 @@ def test_attention_sinks_window_match_reference_gpu(case, tma):
     _check_options_case(GPU_OPTION_CASES[case], LOWP, tma=tma)
 
 
+def test_attention_sinks_window_tma_loops_bit_equal_pointer_loops():
+    # the window's bounds and the sinks are the same code on both paths: the same bits (CPU configs)
+    lengths, H, KVH, D = [37, 1, 64, 13, 0, 50], 4, 2, 32
+    g = fresh_generator()
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g, fused=True)
+    sinks = randn(H, g=g, dtype=torch.float32, scale=2.0)
+    ptrs = _run_options(q, k, v, do, cu, max(lengths), D ** -0.5, 5, sinks, tma=False)
+    tma = _run_options(q, k, v, do, cu, max(lengths), D ** -0.5, 5, sinks, tma=True)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ptrs, tma):
+        assert torch.equal(a, b), f"{name}: the TMA loops differ from the pointer loops (window 5, sinks)"
+
+
 def test_attention_window_visits_only_tiles_in_the_window():
     # Every tile step (_fwd_step, _dkdv_step, _dq_step) is counted under the interpreter and must
     # equal the number of (query block, key block) tiles holding at least one visible pair, times
@@ -435,14 +447,16 @@ def test_attention_window_visits_only_tiles_in_the_window():
         assert all(counts[window][s] < counts[0][s] for s in counts[0]), counts
 
 
-def _run_options(q, k, v, do, cu, max_seqlen, scale, window, sinks=None):
+def _run_options(q, k, v, do, cu, max_seqlen, scale, window, sinks=None, tma=False):
     N, H, D = q.shape
-    o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)
-    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, sinks=sinks, window=window)
+    o = torch.empty(N, H, D, dtype=q.dtype, device=q.device)                  # (N, H, D)
+    lse = torch.empty(H, N, dtype=torch.float32, device=q.device)             # (H, N)
+    attention_fwd(o, lse, q, k, v, cu, max_seqlen, scale, sinks=sinks, window=window, tma=tma)
     dq, dk, dv = _grads_like(q, k, False)
-    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)
-    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, sinks=sinks, window=window)
+    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)           # (H, N) scratch
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max_seqlen, scale, sinks=sinks, window=window,
+                  tma=tma)
+    return o, lse, dq, dk, dv
 
 
 @pytest.mark.parametrize("field, value, err, match", [
@@ -456,3 +470,24 @@ def test_attention_options_rejected(field, value, err, match):
     opts = {field: value.to(DEVICE) if isinstance(value, torch.Tensor) else value}
     with pytest.raises(err, match=match):
         attention_fwd(a["o"], a["lse"], a["q"], a["k"], a["v"], a["cu_seqlens"], a["max_seqlen"], a["scale"], **opts)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5])
+def test_attention_reference_is_hf_gpt_oss(window):
+    # The reference's sinks and window are transformers' own: gpt_oss eager_attention_forward with
+    # the mask of masking_utils' sliding_window_causal_mask_function, one document, fp64
+    import types
+
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    H, KVH, D, L = 4, 2, 16, 23
+    g = fresh_generator()
+    q, k, v = (randn(L, h, D, g=g, dtype=torch.float64).cpu() for h in (H, KVH, KVH))
+    sinks = randn(H, g=g, dtype=torch.float64, scale=2.0).cpu()
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    keep = (sliding_window_causal_mask_function(window) if window else causal_mask_function)(0, 0, i, j)
+    mask = torch.zeros(L, L, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    module = types.SimpleNamespace(num_key_value_groups=H // KVH, sinks=sinks, training=False)
+    o_hf, _ = eager_attention_forward(module, *(t.transpose(0, 1)[None] for t in (q, k, v)), mask[None, None], 0.25)
+    o_ref, _ = attention_ref(q, k, v, torch.tensor([0, L], dtype=torch.int32), 0.25, sinks=sinks, window=window)
+    torch.testing.assert_close(o_ref, o_hf[0], rtol=1e-12, atol=1e-12)

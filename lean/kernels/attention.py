@@ -64,7 +64,8 @@ document: fp32 and fp16 on CPU (Triton interpreter; D 32/64/80, G 1/2/4/8, lengt
 30 documents); bf16 on H100 (D 64/80/96/128/256, 100+ documents, one 2048-token document).
 Sinks and window (fp32 and fp16 on CPU: windows 1, 3, 16 with documents longer than them, length-1
 and empty documents, G 1 to 8, D 32/80, sinks drawn in fp32 or the inputs' dtype, with and without
-TMA; bf16 GPU cases with window 128 and D 64/128/256 are gpu-marked, not yet run).
+TMA; bf16 GPU cases with window 128 and D 64/128/256 are gpu-marked, not yet run). The
+reference itself equals transformers' gpt_oss eager_attention_forward under its sliding-window mask.
 The final tuned block configs were also cross-checked against torch's flash kernel on the two
 tools/attn_tune.py cases (max |diff| / max |ref| <= 7.5e-3 for o, dq, dk, dv).
 

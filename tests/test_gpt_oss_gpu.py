@@ -1,0 +1,125 @@
+"""GPT-OSS on the GPU: the step at gpt-oss-20b's shapes (random init, 2 sliding + 2 full layers,
+bf16 experts) against HF + PEFT by the project's rule, without host syncs, and captured == eager."""
+import numpy as np
+import pytest
+import torch
+
+import lean
+from lean.kernels.gemm import tma_at_every_size
+from lean.models.presets import PRESETS
+from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.reference.rule import l2_rule
+from tests.util import fresh_generator
+
+pytestmark = pytest.mark.gpu
+
+
+def oss20b(layers):
+    return dict(PRESETS["gpt-oss-20b"], num_hidden_layers=layers,
+                layer_types=PRESETS["gpt-oss-20b"]["layer_types"][:layers])
+
+
+def _seed():
+    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+
+
+def _docs(rng, vocab, total, mean=300):
+    docs, left = [], total
+    while left > 0:
+        n = min(left, max(1, int(rng.exponential(mean))))
+        docs.append(rng.integers(0, vocab, n).tolist())
+        left -= n
+    return docs
+
+
+def _hf(config, seed):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # HF inits router, sinks and biases at zero: draw them
+        for name, p in hf.named_parameters():
+            if name.endswith(("mlp.router.weight", "self_attn.sinks")):
+                p.normal_(0.0, 0.5 if "sinks" in name else 0.02)
+            elif name.endswith(("_bias", "router.bias")):
+                p.normal_(0.0, 0.02)
+    return hf_cfg, hf
+
+
+def test_gpt_oss_step_bf16_20b_shapes():
+    """lean bf16 vs HF+PEFT fp32 (the reference) and HF+PEFT bf16 (parameters cast, buffers fp32):
+    within 2x torch's bf16 error + 1e-3 (relative L2) for the loss and every LoRA gradient."""
+    from transformers import AutoModelForCausalLM
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    config = oss20b(4)
+    hf_cfg, hf = _hf(config, seed)
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    model = lean.model_from_tensors(config, sd, dtype=torch.bfloat16, device="cuda")
+    assert model.config.windows == (128, 0, 128, 0)
+    lora = lean.LoRA.init(model, r=16, alpha=32, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    lora.params.copy_(lora.params + 0.02 * torch.randn(lora.params.shape, generator=g).to(lora.params.device))
+    lora.sync_lowp()
+    docs = _docs(rng, model.config.vocab, 1024)
+    lora.zero_grad()
+    loss, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=1024, device="cuda"))
+    ours = {k: v.clone() for k, v in lora.grad_state_dict().items()}
+    ref_loss, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(hf.cuda(), lora), docs, device="cuda")
+    del hf
+    hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="eager")
+    hf16.load_state_dict(sd)
+    for p in hf16.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    lp_loss, _, lp_grads = hf_loss_and_grads(peft_wrap(hf16.cuda().eval(), lora), docs, device="cuda")
+    assert n == ref_n
+    v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name="loss")
+    assert v.ok, v.text
+    worst = []
+    for k, ref in ref_grads.items():
+        v = l2_rule(ours[k], ref, lp_grads[k], name=k)
+        worst.append((v.err - v.bound, v.text))
+        assert v.ok, v.text
+    print(sorted(worst)[-3:])
+
+
+def test_gpt_oss_graph_step_equals_eager_and_makes_no_sync():
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    T, D = 1024, 12
+    model = empty_model(config_from_hf(oss20b(2)), torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for _, t in model.hf_tensors():
+        noise = torch.randn(t.shape, generator=g, device="cuda")
+        t.copy_(1.0 + 0.1 * noise if t.dim() == 1 and t.shape[0] == model.config.hidden else 0.02 * noise)
+    state = None
+    pairs = []
+    for _ in range(2):
+        lora = lean.LoRA.init(model, r=16, alpha=32, seed=seed)
+        if state is None:
+            state = (lora.params + 0.02 * torch.randn(lora.numel, generator=g, device="cuda")).clone()
+        lora.params.copy_(state)
+        lora.sync_lowp()
+        pairs.append((lora, lean.AdamW(lora, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)))
+    (lora_e, opt_e), (lora_g, opt_g) = pairs
+    graph = lean.StepGraph(model, lora_g, opt_g, budget=T, max_docs=D)
+    for i in range(3):
+        docs = _docs(rng, model.config.vocab, int(rng.integers(T // 2, T)), mean=200)[:D - 1]
+        lora_e.zero_grad()
+        with tma_at_every_size():
+            loss_e, n_e = lean.forward_backward(model, lora_e, lean.pack(docs, T, pad_to=T, max_docs=D, device="cuda"))
+        opt_e.step(lr=1e-3)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss_g, n_g = graph.step(graph.pack(docs), lr=1e-3)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert n_g == n_e
+        assert torch.equal(loss_g, loss_e), f"step {i}: loss {loss_g.item()} vs eager {loss_e.item()}"
+        assert torch.equal(lora_g.grads, lora_e.grads) and torch.equal(lora_g.params, lora_e.params), f"step {i}"

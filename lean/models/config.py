@@ -211,7 +211,7 @@ def _gpt_oss_fields(cfg, n_layers):
         _refuse(f"num_experts_per_tok={K} with num_local_experts={E}: need 1 <= k <= E <= 256")
     window = int(cfg.get("sliding_window") or 128)
     types = list(cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                            for i in range(n_layers)])
+                                            for i in range(n_layers)])[:n_layers]  # a config cut to fewer layers
     if len(types) != n_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         _refuse(f"layer_types={types!r}: expected {n_layers} of 'sliding_attention' / 'full_attention'")
     coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0

@@ -51,7 +51,7 @@ def _rel_max(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("E,K", [(4, 2), (8, 2)])
+@pytest.mark.parametrize("E,K", [(8, 2)])  # E 4: the adapters test below
 def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K):
     seed = _seed()
     rng = np.random.default_rng(seed)

@@ -13,8 +13,7 @@ from tests.hf_models import build_hf
 from tests.util import DEVICE, fresh_generator
 
 # (E, K, norm_topk_prob, mlp_only_layers): k = 1 and k = E, some layers dense, renormalise both ways
-CASES = {
-    "e4k1": (4, 1, False, []),
+CASES = {  # k = 1: test_few_tokens_leave_experts_empty (E 12)
     "e8k2-dense1": (8, 2, True, [1]),
     "e12k4": (12, 4, True, []),
     "e4k4": (4, 4, False, [0]),

@@ -401,3 +401,87 @@ def test_split_heldout_deterministic(rng):
     assert data.split_heldout(docs[:1], 0.5, seed=0) == (docs[:1], [])
     with pytest.raises(DataError, match="outside"):
         data.split_heldout(docs, 1.0, seed=0)
+
+
+HARMONY = Path(__file__).parent / "fixtures" / "harmony.jinja"
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>"]
+
+
+def _harmony_dir(smol_dir, tmp_path):
+    """SmolLM2's vocabulary with harmony's special tokens added, and the harmony template."""
+    import tokenizers
+    backend = tokenizers.Tokenizer.from_file(str(smol_dir / "tokenizer.json"))
+    backend.add_special_tokens(HARMONY_TOKENS)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>", "pad_token": "<|end|>"}))
+    shutil.copy(HARMONY, tmp_path / "chat_template.jinja")
+    return tmp_path
+
+
+def test_harmony_chat_with_a_tool_call(smol_dir, tmp_path, rng):
+    """gpt-oss's harmony format (a template that renders turns from the turns after them): a
+    multi-turn chat with a tool call renders as transformers' apply_chat_template renders it, and
+    the assistant-only mask covers exactly each assistant turn after its "<|start|>assistant",
+    through its <|call|>, <|end|> or <|return|>: the kept reasoning, the tool call's recipient and
+    arguments, the final answers; never the system, developer, user or tool turns."""
+    from transformers import AutoTokenizer
+    d = _harmony_dir(smol_dir, tmp_path)
+    ours, hf = Tokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+    city, answer, think = _words(rng, 1), _words(rng, 6), _words(rng, 4)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string", "description": "City name"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}]
+    chat = [{"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "thinking": "I should call the tool.",
+             "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]},
+            {"role": "tool", "content": "{\"temp\": 21}"},
+            {"role": "assistant", "content": "It is 21 degrees."},
+            {"role": "user", "content": "And tomorrow?"},
+            {"role": "assistant", "thinking": think, "content": answer}]
+    for gen, msgs in ((False, chat), (True, chat[:-1]), (False, chat[:3])):
+        assert ours.apply_chat_template(msgs, gen, tools=tools) == hf.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+    text = ours.apply_chat_template(chat, tools=tools)
+    assert "I should call the tool." not in text  # reasoning before a call is dropped once a final answer follows
+    assert "I should call the tool." in ours.apply_chat_template(chat[:3], tools=tools)
+    f = tmp_path / "harmony.jsonl"
+    f.write_text(json.dumps({"messages": chat, "tools": tools}) + "\n")
+    (ids, mask), = data.tokenize_records(data.load_records(f), ours, max_len=4096)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    # the expected mask, from the rendered text: every "<|start|>assistant" turn up to the next "<|start|>"
+    want = np.zeros(len(ids), bool)
+    starts = [ours.decode(ids[:t], skip_special_tokens=False) for t in range(len(ids) + 1)]
+    at = 0
+    while (p := text.find("<|start|>assistant", at)) >= 0:
+        s, e = p + len("<|start|>assistant"), text.find("<|start|>", p + 1)
+        e = len(text) if e < 0 else e
+        for t in range(len(ids)):
+            want[t] |= len(starts[t]) < e and len(starts[t + 1]) > s
+        at = e
+    assert mask.tolist() == want.tolist()
+    got = ours.decode(ids[mask], skip_special_tokens=False)
+    assert got == (f" to=functions.get_weather<|channel|>commentary json<|message|>{json.dumps({'city': city})}<|call|>"
+                   "<|channel|>final<|message|>It is 21 degrees.<|end|>"
+                   f"<|channel|>analysis<|message|>{think}<|end|><|channel|>final<|message|>{answer}<|return|>")
+    for hidden in ("Answer briefly.", "Weather in", "temp", "And tomorrow?", "get_weather = "):
+        assert hidden not in got
+
+
+def test_harmony_fallback_refuses_a_chat_it_cannot_mask(smol_dir, tmp_path):
+    """The marker rule counts the assistant turns it finds: a template that renders a final answer
+    under another opener than its generation prompt leaves an assistant message without a turn,
+    and the chat raises naming the record instead of training on a wrong mask."""
+    d = _harmony_dir(smol_dir, tmp_path)
+    (d / "chat_template.jinja").write_text(
+        HARMONY.read_text().replace("<|start|>assistant<|channel|>final", "<|start|>model<|channel|>final"))
+    ours = Tokenizer.from_dir(d)
+    chat = [{"role": "user", "content": "a"},
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "content": "1"}, {"role": "assistant", "content": "b"}]
+    f = tmp_path / "odd.jsonl"
+    f.write_text(json.dumps({"messages": chat}) + "\n")
+    with pytest.raises(DataError, match=r"odd.jsonl:1: the chat renders 1 assistant turn\(s\) opened by '<\|start\|>assistant' for 2"):
+        data.tokenize_records(data.load_records(f), ours, max_len=256)

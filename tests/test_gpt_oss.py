@@ -1,12 +1,17 @@
 """GPT-OSS end to end against HF transformers + PEFT (CPU, float32): sinks, sliding-window and full
 layers, YaRN, biased attention, the biased router (top-k then softmax), biased experts stored
-(E, in, out) with interleaved gate/up and the clamped GLU; the loss and every LoRA gradient."""
+(E, in, out) with interleaved gate/up and the clamped GLU; the loss and every LoRA gradient. Each
+runs twice: experts from a bf16-layout checkpoint, and from an MXFP4 one (the hub's *_blocks /
+*_scales, kept quantised and dequantised in the grouped GEMMs; HF holds the dequantised values)."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import lean
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.reference.mxfp4 import mxfp4_dequant_ref, mxfp4_quantize_ref
 from tests.hf_models import build_hf
 from tests.util import DEVICE, fresh_generator
 
@@ -25,7 +30,24 @@ def _seed():
     return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
-def _setup(tmp_path, config, seed, r=4, alpha=8):
+def _save_mxfp4(hf, hf_dir, out):
+    """hf's checkpoint at out with its experts in MXFP4 (their values already MXFP4-exact), as the
+    hub stores gpt-oss: *_blocks / *_scales along the input dim, quantization_config in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    for k in [k for k in sd if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        sd[k + "_blocks"], sd[k + "_scales"] = mxfp4_quantize_ref(sd.pop(k).transpose(1, 2))  # (E, out, in)
+    save_file(sd, str(out / "model.safetensors"), {"format": "pt"})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def _setup(tmp_path, config, seed, r=4, alpha=8, mxfp4=False):
+    """(hf, model, lora); HF's own folder is tmp_path / "hf", lean's tmp_path / "model" (MXFP4 or not)."""
     hf = build_hf("gpt_oss", seed, config=config)
     with torch.no_grad():  # draw what HF initialises to zero or one: router, sinks, expert biases
         for name, p in hf.named_parameters():
@@ -35,8 +57,17 @@ def _setup(tmp_path, config, seed, r=4, alpha=8):
                 p.normal_(0.0, 0.1)
             elif "experts" in name:
                 p.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path / "model")
+                if mxfp4:  # the values MXFP4 can hold: (E, in, out) -> blocks along in
+                    p.copy_(mxfp4_dequant_ref(*mxfp4_quantize_ref(p.transpose(1, 2)), torch.float32).transpose(1, 2))
+    hf.save_pretrained(tmp_path / "hf")
+    if mxfp4:
+        _save_mxfp4(hf, tmp_path / "hf", tmp_path / "model")
+    else:
+        (tmp_path / "hf").rename(tmp_path / "model")
+        (tmp_path / "hf").symlink_to(tmp_path / "model")
     model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE)
+    assert (model.config.expert_quant == "mxfp4") == mxfp4
+    assert isinstance(model.layers[0].gate_up, lean.models.weights.Mxfp4) == mxfp4
     lora = lean.LoRA.init(model, r=r, alpha=alpha, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     for layer in lora.layers:
@@ -51,11 +82,12 @@ def _rel_max(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("E,K", [(8, 2)])  # E 4: the adapters test below
-def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K):
+@pytest.mark.parametrize("E,K,mxfp4", [(8, 2, False), (5, 2, True)])  # E 4: the adapters test below
+def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K, mxfp4):
     seed = _seed()
     rng = np.random.default_rng(seed)
-    hf, model, lora = _setup(tmp_path, oss_config(E, K), seed)
+    hf, model, lora = _setup(tmp_path, oss_config(E, K, **({"intermediate_size": 64} if mxfp4 else {})), seed,
+                             mxfp4=mxfp4)
     assert model.config.windows == (5, 0) and model.config.sinks
     lens = [int(x) for x in rng.integers(6, 20, 3)] + [1, 2]  # longer than the window, and length 1
     docs = [rng.integers(0, model.config.vocab, n).tolist() for n in lens]
@@ -76,10 +108,12 @@ def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K):
     assert not bad, f"seed {seed}: {bad}"
 
 
-def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path):
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path, mxfp4):
     """lean's adapter loads in PEFT with equal logits (target_parameters on the (E, in, out) experts),
-    PEFT's file loads in lean, the merge (experts += scale (B A)^T) loads in transformers with the
-    PEFT model's logits, and generation through the cache (sinks, window) equals a cache-free forward."""
+    PEFT's file loads in lean, the merge (experts += scale (B A)^T; MXFP4 experts dequantised, written
+    under the bf16 names without quantization_config) loads in transformers with the PEFT model's
+    logits, and generation through the cache (sinks, window) equals a cache-free forward."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -88,11 +122,12 @@ def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path):
 
     seed = _seed()
     rng = np.random.default_rng(seed)
-    hf, model, lora = _setup(tmp_path, oss_config(4, 2, window=3), seed)
+    hf, model, lora = _setup(tmp_path, oss_config(4, 2, window=3, **({"intermediate_size": 32} if mxfp4 else {})),
+                             seed, mxfp4=mxfp4)
     docs = [rng.integers(0, model.config.vocab, n).tolist() for n in (11, 6)]
     logits = lean.forward(model, lora, lean.pack(docs, max_tokens=32, device=DEVICE))
     lora.save(tmp_path / "ad")
-    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32),
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32),
                                    tmp_path / "ad")
     with torch.no_grad():
         ref = torch.cat([pm(input_ids=torch.tensor([d])).logits[0] for d in docs])
@@ -101,8 +136,9 @@ def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path):
     back = lean.LoRA.load(model, tmp_path / "ad_peft")
     for k, v in lora.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
-    merged = AutoModelForCausalLM.from_pretrained(merge_and_save(model, lora, tmp_path / "merged", dtype="float32"),
-                                                  dtype=torch.float32)
+    out = merge_and_save(model, lora, tmp_path / "merged", dtype="float32")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         mref = torch.cat([merged(input_ids=torch.tensor([d])).logits[0] for d in docs])
     assert _rel_max(mref, ref) <= 1e-5

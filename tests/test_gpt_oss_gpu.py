@@ -1,5 +1,6 @@
 """GPT-OSS on the GPU: the step at gpt-oss-20b's shapes (random init, 2 sliding + 2 full layers,
-bf16 experts) against HF + PEFT by the project's rule, without host syncs, and captured == eager."""
+bf16 experts, and MXFP4 experts quantised from the random bf16 ones, HF holding their dequantised
+values) against HF + PEFT by the project's rule, without host syncs, and captured == eager."""
 import numpy as np
 import pytest
 import torch
@@ -8,6 +9,7 @@ import lean
 from lean.kernels.gemm import tma_at_every_size
 from lean.models.presets import PRESETS
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.reference.mxfp4 import mxfp4_dequant_ref, mxfp4_quantize_ref
 from lean.reference.rule import l2_rule
 from tests.util import fresh_generator
 
@@ -57,7 +59,8 @@ def _hf_step(hf, lora, docs):
     return out
 
 
-def test_gpt_oss_step_bf16_20b_shapes():
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpt_oss_step_bf16_20b_shapes(mxfp4):
     """lean bf16 vs HF+PEFT fp32 (the reference) and HF+PEFT bf16 (parameters cast, buffers fp32):
     within 2x torch's bf16 error + 1e-3 (relative L2) for the loss and every LoRA gradient."""
     from transformers import AutoModelForCausalLM
@@ -66,9 +69,18 @@ def test_gpt_oss_step_bf16_20b_shapes():
     rng = np.random.default_rng(seed)
     config = oss20b(4)
     hf_cfg, hf = _hf(config, seed)
+    quant = {}
+    if mxfp4:  # experts quantised from the random ones; HF holds the dequantised (bf16-exact) values
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                    b, s = mxfp4_quantize_ref(p.transpose(1, 2).cuda())
+                    quant[name + "_blocks"], quant[name + "_scales"] = b.cpu(), s.cpu()
+                    p.copy_(mxfp4_dequant_ref(b, s, torch.float32).transpose(1, 2).cpu())
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
-    model = lean.model_from_tensors(config, sd, dtype=torch.bfloat16, device="cuda")
-    assert model.config.windows == (128, 0, 128, 0)
+    lean_sd = {k: v for k, v in sd.items() if k + "_blocks" not in quant} | quant
+    model = lean.model_from_tensors(config, lean_sd, dtype=torch.bfloat16, device="cuda")
+    assert model.config.windows == (128, 0, 128, 0) and (model.config.expert_quant == "mxfp4") == mxfp4
     lora = lean.LoRA.init(model, r=16, alpha=32, seed=seed)
     g = torch.Generator().manual_seed(seed)
     lora.params.copy_(lora.params + 0.02 * torch.randn(lora.params.shape, generator=g).to(lora.params.device))
@@ -103,16 +115,23 @@ def test_gpt_oss_step_bf16_20b_shapes():
     print(sorted(worst)[-3:])
 
 
-def test_gpt_oss_graph_step_equals_eager_and_makes_no_sync():
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpt_oss_graph_step_equals_eager_and_makes_no_sync(mxfp4):
     from lean.models.config import config_from_hf
-    from lean.models.weights import empty_model
+    from lean.models.weights import empty_model, random_mxfp4_
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     T, D = 1024, 12
-    model = empty_model(config_from_hf(oss20b(2)), torch.bfloat16, "cuda")
+    config = dict(oss20b(2), quantization_config=PRESETS["gpt-oss-20b-mxfp4"]["quantization_config"]) if mxfp4 \
+        else oss20b(2)
+    model = empty_model(config_from_hf(config), torch.bfloat16, "cuda")
+    assert (model.config.expert_quant == "mxfp4") == mxfp4
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for _, t in model.hf_tensors():
+    for name, t in model.hf_tensors():
+        if t.dtype == torch.uint8:
+            random_mxfp4_(t, name, g)
+            continue
         noise = torch.randn(t.shape, generator=g, device="cuda")
         t.copy_(1.0 + 0.1 * noise if t.dim() == 1 and t.shape[0] == model.config.hidden else 0.02 * noise)
     state = None

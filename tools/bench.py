@@ -544,6 +544,107 @@ def bench_moe(B):
         _guard(B, name, _moe_wgrad_case, ctx, name, a, b, ga, gb_, scale)
 
 
+# gpt-oss-20b (HF config.json): 64/8 heads of 64, window 128 on the sliding layers; experts E 32,
+# top-4, C = F = 2880 (gate_up interleaved, 2F = 5760).
+OSS = dict(N=N_TOKENS, C=2880, F=2880, E=32, K=4, H=64, KVH=8, D=64, W=128)
+OSS_SMOKE = dict(N=64, C=64, F=64, E=4, K=2, H=4, KVH=2, D=16, W=8)
+
+
+def bench_gptoss(B):
+    """gpt-oss's two kernel changes, each against lean's own plain path on the same work:
+    - attention with sinks and window 128 (a sliding layer) against full causal attention (a full
+      layer), fwd and fwd+bwd, on one 8192-token document and on packed documents (mean 512):
+      the sliding layer must cost a fraction of a full one (tiles outside the window are skipped);
+    - the grouped expert GEMMs with MXFP4 weights (gmm_mxfp4, dequantised in the weight loads)
+      against gmm on the same weights dequantised to bf16: gate_up and down forward, and the two
+      transposed dX / G GEMMs of the backward. err = MXFP4 output vs the bf16 gmm's."""
+    attn = lean_kernel("attention")
+    mx = lean_kernel("mxfp4")
+    gg = lean_kernel("grouped_gemm")
+    group_slots = lean_kernel("moe_group").group_slots
+    m = OSS_SMOKE if B.smoke else OSS
+    N, C, F, E, K, H, KVH, D, W = (m[k] for k in ("N", "C", "F", "E", "K", "H", "KVH", "D", "W"))
+    dev = B.device
+    for case, lens in (("1 doc", [N]), ("packed", doc_lengths(N, 16 if B.smoke else 512, 4 if B.smoke else 16, seed=0))):
+        _guard(B, f"gptoss attention {case}", _oss_attention_case, B, attn, N, H, KVH, D, W, case, lens)
+    ids, _ = zipf_experts(N, E, K)
+    experts = torch.tensor(ids, device=dev)
+    P = N * K
+    order, slot_pos = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(2))
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    group_slots(order, slot_pos, offsets, experts)
+    ref = reference("mxfp4")
+    # MXFP4 weights (E, out, in), blocks along in; the bf16 weight is their exact dequantisation
+    q_gu = ref.mxfp4_quantize_ref(B.randn(E, 2 * F, C, scale=C**-0.5, dtype=torch.float32))
+    q_d = ref.mxfp4_quantize_ref(B.randn(E, C, F, scale=F**-0.5, dtype=torch.float32))
+    w_gu, w_d = (ref.mxfp4_dequant_ref(*q, B.dtype) for q in (q_gu, q_d))
+    n2, act, g, dh = B.randn(N, C), B.randn(P, F), B.randn(N, C), B.randn(P, 2 * F)
+    shape = f"{'smoke' if B.smoke else 'gpt-oss-20b'} P{P} E{E}"
+    for name, x, q, w, transpose, gather in (
+        ("mxfp4 gate_up fwd", n2, q_gu, w_gu, False, True),
+        ("mxfp4 down fwd", act, q_d, w_d, False, False),
+        ("mxfp4 G bwd Wd^T", g, q_d, w_d, True, True),
+        ("mxfp4 dX bwd Wgu^T", dh, q_gu, w_gu, True, False),
+    ):
+        _guard(B, name, _oss_gmm_case, B, mx, gg, name, shape, x, q, w, transpose, gather, offsets, order, K)
+
+
+def _oss_attention_case(B, attn, N, H, KVH, D, W, case, lens):
+    dev = B.device
+    scale = 1.0 / math.sqrt(D)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+    L = max(lens)
+    q, k, v, do = B.randn(N, H, D), B.randn(N, KVH, D), B.randn(N, KVH, D), B.randn(N, H, D)
+    sinks = B.randn(H, dtype=torch.float32)
+    o, lse = torch.empty_like(q), torch.empty(H, N, device=dev, dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(H, N, device=dev, dtype=torch.float32)
+
+    def run(bwd, **kw):
+        def fn():
+            attn.attention_fwd(o, lse, q, k, v, cu, L, scale, **kw)
+            if bwd:
+                attn.attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, L, scale, **kw)
+        return fn
+
+    pairs_full = sum(n * (n + 1) / 2 for n in lens)
+    pairs_win = sum(sum(min(i + 1, W) for i in range(n)) for n in lens)
+    for direction, bwd, mult in (("fwd", False, 1.0), ("fwd+bwd", True, 3.5)):
+        full_ms = B.time(run(bwd))
+        win_ms = B.time(run(bwd, sinks=sinks, window=W))
+        shape = f"H{H}/{KVH} D{D} N{N} {case} max {L}"
+        B.add(f"gptoss attention {direction} window {W}+sinks", shape, win_ms, flops=mult * 4.0 * H * D * pairs_win,
+              torch_ms=full_ms, baseline="lean full causal",
+              note=f"key pairs {pairs_win / pairs_full:.3f} of full causal's")
+
+
+def _oss_gmm_case(B, mx, gg, name, shape, x, q, w, transpose, gather, offsets, order, K):
+    blocks, scales = q
+    E, A, Bd = w.shape
+    O, Kd = (Bd, A) if transpose else (A, Bd)
+    P = order.numel()
+    kw = dict(gather=order, gather_div=K) if gather else {}
+    y, y_ref = (torch.empty(P, O, device=B.device, dtype=B.dtype) for _ in range(2))
+
+    def mx_fn():
+        mx.gmm_mxfp4(y, x, blocks, scales, offsets, transpose=transpose, **kw)
+
+    def bf16_fn():
+        gg.gmm(y_ref, x, w.transpose(1, 2) if transpose else w, offsets, **kw)
+
+    mx_fn()
+    bf16_fn()
+    B.sync()
+    err = rel_err([(y, y_ref)])
+    mx_ms, bf_ms = B.time_graph(mx_fn), B.time_graph(bf16_fn)
+    e = x.element_size()
+    flops = 2.0 * P * O * Kd
+    nbytes = e * (x.shape[0] * Kd + P * O) + E * O * Kd * 17 / 32  # x, y; the MXFP4 weight (4.25 bits)
+    B.add(name, f"{shape} O{O} K{Kd}" + (" gather" if gather else "") + (" transposed" if transpose else ""), mx_ms,
+          flops=flops, bytes_=nbytes, torch_ms=bf_ms, baseline="lean gmm bf16 weight", err=err,
+          note=f"weight bytes {E * O * Kd * 17 / 32 / 2**20:.0f} MiB vs {E * O * Kd * e / 2**20:.0f} MiB")
+
+
 def _grouped_mm():
     """torch._grouped_mm, or None where this torch has none."""
     return getattr(torch, "_grouped_mm", None)
@@ -947,6 +1048,7 @@ KERNELS = {
     "gemm": bench_gemm,
     "lora_linear": bench_lora_linear,
     "moe_gmm": bench_moe,
+    "gptoss": bench_gptoss,
     "rmsnorm": bench_rmsnorm,
     "rope": bench_rope,
     "swiglu": bench_swiglu,

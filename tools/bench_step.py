@@ -88,6 +88,7 @@ LAYOUTS = ("packed", "padded")
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=256)
 _TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # and E, k, F of one expert
+_TINY_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8)  # GPT-OSS
 # Models cut to their first N layers by default (--layers N overrides, for every model named; the row's
 # note says "N of L layers"). Qwen3-30B-A3B's 48 layers do not fit one 80 GB H100 without offload.
 # Per layer, bf16 and 8192 tokens: frozen weights 1.25 GB
@@ -108,7 +109,8 @@ def model_config(name, smoke=False):
         raise KeyError(f"unknown model {name!r}: bench step knows {', '.join(CONFIGS)}")
     cfg = dict(CONFIGS[name])
     if smoke:
-        cfg.update(_TINY, **(_TINY_MOE if "num_experts" in cfg else {}))
+        cfg.update(_TINY, **(_TINY_MOE if "num_experts" in cfg else {}),
+                   **(_TINY_OSS if "num_local_experts" in cfg else {}))
     cfg["num_hidden_layers"] = min(cfg["num_hidden_layers"], layers(name) or cfg["num_hidden_layers"])
     return cfg
 
@@ -127,7 +129,7 @@ def layers_note(name, smoke=False):
 
 
 def is_moe(name):
-    return "num_experts" in CONFIGS[name]
+    return "num_experts" in CONFIGS[name] or "num_local_experts" in CONFIGS[name]
 
 
 def doc_lengths(layout, total=TOKENS, seed=0):
@@ -145,13 +147,18 @@ def doc_lengths(layout, total=TOKENS, seed=0):
 def useful_flops(cfg, lens):
     """PEERS.md's rule: 4 x matmul params per token (lm_head once) + causal attention, forward
     once and backward twice. An MoE layer counts its active parameters: the router (E x C) and k
-    experts of width moe_intermediate, not intermediate_size. cfg: lean's ModelConfig."""
+    experts of width moe_intermediate, not intermediate_size; a sliding-window layer (GPT-OSS) the
+    key pairs inside its window. cfg: lean's ModelConfig."""
     C, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
     attn = C * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * C
     moe = cfg.n_experts * C + cfg.top_k * 3 * C * cfg.moe_intermediate
     matmul_params = sum(attn + (moe if cfg.is_moe(i) else 3 * C * F) for i in range(cfg.n_layers)) + V * C
     tokens = sum(lens)
-    attn_fwd = sum(4 * (L * (L + 1) / 2) * cfg.head_dim * cfg.n_heads for L in lens) * cfg.n_layers
+
+    def pairs(L, W):  # causal key pairs of an L-token document, each query seeing at most W keys
+        return L * (L + 1) / 2 if not W or W >= L else W * (W + 1) / 2 + (L - W) * W
+
+    attn_fwd = sum(4 * pairs(L, cfg.window(i)) * cfg.head_dim * cfg.n_heads for L in lens for i in range(cfg.n_layers))
     return 4 * matmul_params * tokens + 3 * attn_fwd
 
 
@@ -182,12 +189,14 @@ def time_steps(step, warmup, steps, cuda):
 def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
     import lean
     from lean.models.config import config_from_hf
-    from lean.models.weights import empty_model
+    from lean.models.weights import empty_model, random_mxfp4_
 
     model = empty_model(config_from_hf(model_config(name, smoke)), dtype, device)
     g = torch.Generator(device=device).manual_seed(0)
-    for _, t in model.hf_tensors():  # in place: no fp32 temporary in the row's peak (2.4 GiB at 8B)
-        if t.dim() == 1:
+    for name, t in model.hf_tensors():  # in place: no fp32 temporary in the row's peak (2.4 GiB at 8B)
+        if t.dtype == torch.uint8:  # MXFP4 experts
+            random_mxfp4_(t, name, g)
+        elif t.dim() == 1:
             t.normal_(1.0, 0.1, generator=g)
         else:
             t.normal_(0.0, 0.02, generator=g)

@@ -22,7 +22,7 @@ import torch
 
 from ..models.config import config_from_hf
 from ..models.presets import PRESETS
-from ..models.weights import empty_model
+from ..models.weights import empty_model, random_mxfp4_
 
 
 class CheckModelError(RuntimeError):
@@ -75,6 +75,9 @@ def lean_model(src, layers, dtype, device, seed):
         model = empty_model(config_from_hf(cut_config(src.config, layers)), dtype, device)
         g = torch.Generator(device=device).manual_seed(seed)
         for name, t in model.hf_tensors():
+            if t.dtype == torch.uint8:  # MXFP4 experts
+                random_mxfp4_(t, name, g)
+                continue
             mean, std = (1.0, 0.1) if "norm" in name else (0.0, 0.1 if t.dim() == 1 else 0.02)
             t.normal_(mean, std, generator=g)
         return model
@@ -100,7 +103,7 @@ def hf_model(src, model, dtype, device):
     else:
         cfg = AutoConfig.for_model(**{k: v for k, v in cut_config(src.config, layers).items() if k != "architectures"})
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    missing, unexpected = hf.load_state_dict({n: t.detach().to("cpu", dtype) for n, t in model.hf_tensors()},
+    missing, unexpected = hf.load_state_dict({n: t.detach().to("cpu", dtype) for n, t in model.hf_tensors(dequantised=True)},
                                              strict=False)
     untied = [n for n in missing if not (n == "lm_head.weight" and model.config.tie_embeddings)]
     if untied or unexpected:

@@ -70,6 +70,7 @@ class ModelConfig:
     expert_bias: bool = False  # router and expert biases; experts stored (E, in, out), gate/up interleaved (GPT-OSS)
     glu_limit: float = 0.0  # the clamped GLU's limit (GPT-OSS swiglu_limit); 0: SwiGLU
     glu_alpha: float = 1.0  # its sigmoid slope (swiglu_alpha)
+    expert_quant: str = ""  # "mxfp4": expert weights held in MXFP4 (models/weights.py); "": model dtype
 
     def window(self, layer):
         """Layer `layer`'s sliding window (0: full causal attention)."""
@@ -215,8 +216,16 @@ def _gpt_oss_fields(cfg, n_layers):
     if len(types) != n_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         _refuse(f"layer_types={types!r}: expected {n_layers} of 'sliding_attention' / 'full_attention'")
     coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") else 0.0
-    return dict(n_experts=E, top_k=K, moe_intermediate=int(cfg.get("intermediate_size", 2880)), norm_topk=False,
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        _refuse(f"quantization_config.quant_method={quant!r}: lean loads GPT-OSS in bf16 or MXFP4 only")
+    F = int(cfg.get("intermediate_size", 2880))
+    if quant == "mxfp4" and (F % 32 or int(cfg["hidden_size"]) % 32):
+        _refuse(f"MXFP4 experts need hidden_size and intermediate_size multiples of 32 (got "
+                f"{cfg['hidden_size']}, {F}): the 32-value blocks run along both")
+    return dict(n_experts=E, top_k=K, moe_intermediate=F, norm_topk=False,
                 moe_layers=tuple(range(n_layers)), aux_loss_coef=coef,
                 windows=tuple(window if t == "sliding_attention" else 0 for t in types), sinks=True,
                 softmax_first=False, expert_bias=True, glu_limit=float(cfg.get("swiglu_limit", 7.0)),
-                glu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+                glu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                expert_quant=quant or "")

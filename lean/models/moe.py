@@ -16,6 +16,9 @@ Forward, from n2 = rmsnorm(mid) * w_post (the post-attention norm dense.py runs)
     y_s    = act_s Wd_e^T + s (act_s Ad_e^T) Bd_e^T                (P, C)
     m[n]   = sum_i w[n, i] y_s[slot_pos[n*K + i]]                  (N, C) fp32 sum, one rounding
 
+GPT-OSS's experts may be MXFP4 pairs (models/weights.Mxfp4): every weight GEMM then runs through
+gmm_mxfp4, which dequantises the weight tiles in its loads (_wgmm), forward and dX alike.
+
 exactly transformers' Qwen3MoeSparseMoeBlock (router, top-k and cast order), with PEFT's expert
 adapters (runtime/lora.py). The gathers of n2 rows happen in the grouped GEMM's prologue
 (kernels/grouped_gemm.py); y_s is written sorted and summed per token by one combine kernel rather
@@ -51,7 +54,9 @@ from ..kernels.moe_bias_dot import expert_bias_dot
 from ..kernels.moe_glu import moe_glu_bwd, moe_glu_fwd
 from ..kernels.moe_group import group_slots, moe_act_bwd, moe_combine
 from ..kernels.moe_route import route_topk_bwd, route_topk_fwd
+from ..kernels.mxfp4 import gmm_mxfp4
 from ..kernels.swiglu import swiglu_fwd
+from .weights import Mxfp4
 
 
 class MoeStep(NamedTuple):
@@ -79,12 +84,21 @@ def _lora(ad, xa, b):
 
 
 def _experts(w, cfg):
-    """(Wgu (E, 2F, C), Wd (E, C, F)): the expert weights as (E, out, in) views. Qwen3-MoE stores
-    them so; GPT-OSS stores (E, in, out) (gate_up (E, C, 2F) with gate/up interleaved, down
-    (E, F, C)), seen here transposed, without a copy."""
-    if cfg.expert_bias:
+    """(Wgu (E, 2F, C), Wd (E, C, F)): the expert weights as (E, out, in). Qwen3-MoE stores them so;
+    GPT-OSS's bf16 layout is (E, in, out) (gate_up (E, C, 2F) with gate/up interleaved, down
+    (E, F, C)), seen here transposed, without a copy; its MXFP4 pairs dequantise to (E, out, in)."""
+    if cfg.expert_bias and not isinstance(w.gate_up, Mxfp4):
         return w.gate_up.transpose(1, 2), w.down_e.transpose(1, 2)
     return w.gate_up, w.down_e
+
+
+def _wgmm(y, x, w, offsets, transpose=False, **kw):
+    """y = x @ W_e^T (transpose: x @ W_e) per expert, W (E, out, in) a tensor or an Mxfp4 pair
+    dequantised in the GEMM's weight loads (kernels/mxfp4.gmm_mxfp4): no bf16 copy of it is made."""
+    if isinstance(w, Mxfp4):
+        gmm_mxfp4(y, x, w.blocks, w.scales, offsets, transpose=transpose, **kw)
+    else:
+        gmm(y, x, w.transpose(1, 2) if transpose else w, offsets, **kw)
 
 
 def _act_fwd(act, h, cfg):
@@ -127,7 +141,7 @@ def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
         gmm(xa_gu, n2, gu.a_lowp, offsets, gather=order, gather_div=K)
     wgu, wd = _experts(w, cfg)
     h = new(P, 2 * F)
-    gmm(h, n2, wgu, offsets, gather=order, gather_div=K, lora=_lora(gu, xa_gu, gu.b_lowp if gu else None),
+    _wgmm(h, n2, wgu, offsets, gather=order, gather_div=K, lora=_lora(gu, xa_gu, gu.b_lowp if gu else None),
         bias=w.gate_up_bias)
     act = new(P, F)
     _act_fwd(act, h, cfg)
@@ -139,7 +153,7 @@ def moe_forward(m, n2, w, ads, ctx, cfg, rebuild=False):
     if rebuild:  # the backward needs neither y_s nor m
         return saved
     y = new(P, C)
-    gmm(y, act, wd, offsets, lora=_lora(dn, xa_d, dn.b_lowp if dn else None), bias=w.down_bias)
+    _wgmm(y, act, wd, offsets, lora=_lora(dn, xa_d, dn.b_lowp if dn else None), bias=w.down_bias)
     del act
     moe_combine(m, y, slot_pos, weights)
     return saved
@@ -160,7 +174,7 @@ def moe_backward(dn2, g, sv, w, ads, ctx, cfg):
         gmm(gb, g, dn.b_lowp.transpose(1, 2), offsets, gather=order, gather_div=K)
     wgu, wd = _experts(w, cfg)
     G = new(P, F)
-    gmm(G, g, wd.transpose(1, 2), offsets, gather=order, gather_div=K,
+    _wgmm(G, g, wd, offsets, transpose=True, gather=order, gather_div=K,
         lora=_lora(dn, gb, dn.a_lowp.transpose(1, 2) if dn else None))
     dw = new(N, K, dt=torch.float32)
     act = new(P, F) if dn is not None else None
@@ -180,7 +194,7 @@ def moe_backward(dn2, g, sv, w, ads, ctx, cfg):
         gmm(dhb, dh, gu.b_lowp.transpose(1, 2), offsets)
         gmm_wgrad(gu.db, dh, sv.xa_gu, offsets, alpha=gu.scale)
     dX = new(P, dn2.shape[1])
-    gmm(dX, dh, wgu.transpose(1, 2), offsets, lora=_lora(gu, dhb, gu.a_lowp.transpose(1, 2) if gu else None))
+    _wgmm(dX, dh, wgu, offsets, transpose=True, lora=_lora(gu, dhb, gu.a_lowp.transpose(1, 2) if gu else None))
     moe_combine(dn2, dX, sv.slot_pos)
     del dX
     # the router: dw back through renormalise / top-K / softmax, then into dn2 through Wr

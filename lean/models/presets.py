@@ -6,7 +6,7 @@ Used where a real model's shapes are needed without its weights: tools/bench_ste
 models of these configs, lean against the peers), tests/test_arch.py (every kernel compiled at the
 configs its chooser returns for these shapes) and `lean-check --model qwen3-0.6b` (random init);
 qwen3-30b-a3b (Qwen3-MoE) also by tests/test_moe_gpu.py, cut to a few of its 48 layers; gpt-oss-20b
-(GPT-OSS, its bf16 layout: lean does not load MXFP4 checkpoints yet).
+(GPT-OSS with bf16 experts) and gpt-oss-20b-mxfp4 (the hub's config: experts held in MXFP4).
 The values are those of the models' own config.json files on the hub.
 """
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
@@ -57,3 +57,6 @@ PRESETS = {
         rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
 }
+PRESETS["gpt-oss-20b-mxfp4"] = dict(PRESETS["gpt-oss-20b"], quantization_config={
+    "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                        "model.embed_tokens", "lm_head"]})

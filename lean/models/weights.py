@@ -22,17 +22,72 @@ same views (expert_aliases):
     mlp.experts.{e}.gate_proj.weight (Fe, C) -> gate_up[e, :Fe]
     mlp.experts.{e}.up_proj.weight   (Fe, C) -> gate_up[e, Fe:]
     mlp.experts.{e}.down_proj.weight (C, Fe) -> down_e[e]
+
+GPT-OSS's hub checkpoints hold the experts in MXFP4 (kernels/mxfp4.py; G = C/32, Gf = Fe/32). They
+stay so (cfg.expert_quant == "mxfp4", set by the loader from the tensors it finds): the four uint8
+tensors live in the layer's second flat buffer `qbuf`, and gate_up / down_e are Mxfp4 pairs whose
+dequantised weight Wd is (E, out, in), the transpose of the bf16 layout, which is gmm's weight as is:
+
+    gate_up_blocks  mlp.experts.gate_up_proj_blocks  (E, 2Fe, G, 16)  Wd (E, 2Fe, C)
+    gate_up_scales  mlp.experts.gate_up_proj_scales  (E, 2Fe, G)
+    down_blocks     mlp.experts.down_proj_blocks     (E, C, Gf, 16)   Wd (E, C, Fe)
+    down_scales     mlp.experts.down_proj_scales     (E, C, Gf)
+
+(gpt-oss-20b: 0.42 GB a layer instead of 1.6 GB in bf16.)
 """
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .config import ModelConfig
 
 
-def layer_fields(cfg: ModelConfig, li: int = 0):
-    """Ordered (field, HF suffix, shape) of decoder layer li's frozen tensors. q, k and v are
-    adjacent so that one (Oq + 2*Okv, C) view covers them."""
+class Mxfp4(NamedTuple):
+    """An expert weight held in MXFP4: Wd (E, A, Bd) = dequant(blocks, scales), blocks along Bd."""
+    blocks: torch.Tensor  # (E, A, Bd/32, 16) uint8
+    scales: torch.Tensor  # (E, A, Bd/32) uint8
+
+    @property
+    def shape(self):
+        E, A, G, _ = self.blocks.shape
+        return (E, A, G * 32)
+
+    def dense(self, dtype=torch.float32):
+        """Wd (E, A, Bd) in dtype, dequantised on the weights' device (a new tensor)."""
+        from ..kernels.mxfp4 import mxfp4_dequant
+
+        out = torch.empty(self.shape, dtype=dtype, device=self.blocks.device)
+        mxfp4_dequant(out, self.blocks, self.scales)
+        return out
+
+
+def random_mxfp4_(t, name, generator):
+    """Fill a uint8 MXFP4 tensor of a random-init model in place: uniform nibbles, and block scales
+    2^-8 .. 2^-6, so that the weights' spread is about a random bf16 init's (std ~0.02)."""
+    if name.endswith("_blocks"):
+        t.random_(0, 256, generator=generator)
+    else:
+        t.random_(127 - 8, 127 - 5, generator=generator)
+
+
+def quant_fields(cfg: ModelConfig, li: int = 0):
+    """Ordered (field, HF suffix, shape) of layer li's uint8 MXFP4 tensors (none unless its experts
+    are held in MXFP4)."""
+    if not (cfg.expert_quant == "mxfp4" and cfg.is_moe(li)):
+        return []
+    C, Fe, E = cfg.hidden, cfg.moe_intermediate, cfg.n_experts
+    return [("gate_up_blocks", "mlp.experts.gate_up_proj_blocks", (E, 2 * Fe, C // 32, 16)),
+            ("gate_up_scales", "mlp.experts.gate_up_proj_scales", (E, 2 * Fe, C // 32)),
+            ("down_blocks", "mlp.experts.down_proj_blocks", (E, C, Fe // 32, 16)),
+            ("down_scales", "mlp.experts.down_proj_scales", (E, C, Fe // 32))]
+
+
+def layer_fields(cfg: ModelConfig, li: int = 0, dequantised=False):
+    """Ordered (field, HF suffix, shape) of decoder layer li's frozen tensors in the model dtype
+    (without the MXFP4 experts, which quant_fields lists, unless dequantised: then with the bf16
+    checkpoint's gate_up / down_e in their place). q, k and v are adjacent so that one
+    (Oq + 2*Okv, C) view covers them."""
     C, F, D = cfg.hidden, cfg.intermediate, cfg.head_dim
     Oq, Okv = cfg.q_dim, cfg.kv_dim
     E, Fe = cfg.n_experts, cfg.moe_intermediate
@@ -71,6 +126,8 @@ def layer_fields(cfg: ModelConfig, li: int = 0):
               ("k_norm", "self_attn.k_norm.weight", (D,))]
     if cfg.sinks:
         f += [("sinks", "self_attn.sinks", (cfg.n_heads,))]
+    if quant_fields(cfg, li) and not dequantised:
+        f = [x for x in f if x[0] not in ("gate_up", "down_e")]
     return f
 
 
@@ -104,6 +161,16 @@ class Layer:
             n = _prod(shape)
             setattr(self, name, self.buf[off:off + n].view(shape))
             off += n
+        qfields = quant_fields(cfg, li)  # MXFP4 experts: a second, uint8 buffer
+        self.qbuf = torch.empty(sum(_prod(s) for _, _, s in qfields), dtype=torch.uint8, device=device)
+        off = 0
+        for name, _, shape in qfields:
+            n = _prod(shape)
+            setattr(self, name, self.qbuf[off:off + n].view(shape))
+            off += n
+        if qfields:
+            self.gate_up = Mxfp4(self.gate_up_blocks, self.gate_up_scales)  # Wd (E, 2Fe, C)
+            self.down_e = Mxfp4(self.down_blocks, self.down_scales)  # Wd (E, C, Fe)
         for name in ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
                      "gate", "up", "down", "router", "gate_up", "down_e", "sinks", "router_bias",
                      "gate_up_bias", "down_bias"):
@@ -124,12 +191,17 @@ class Model:
     path: str = ""
     cache: dict = field(default_factory=dict)  # per-model device tables (RoPE inverse frequencies)
 
-    def hf_tensors(self):
-        """(HF name, tensor) for every frozen tensor, in checkpoint naming."""
+    def hf_tensors(self, dequantised=False):
+        """(HF name, tensor) for every frozen tensor, in checkpoint naming; dequantised: MXFP4 experts
+        as the bf16 checkpoint's (E, in, out) tensors, fp32, freshly dequantised (one at a time)."""
         yield "model.embed_tokens.weight", self.embed
         for i, layer in enumerate(self.layers):
-            for name, suffix, _ in layer_fields(self.config, i):
-                yield f"model.layers.{i}.{suffix}", getattr(layer, name)
+            for name, suffix, _ in layer_fields(self.config, i, dequantised):
+                t = getattr(layer, name)
+                yield f"model.layers.{i}.{suffix}", t.dense().transpose(1, 2) if isinstance(t, Mxfp4) else t
+            if not dequantised:
+                for name, suffix, _ in quant_fields(self.config, i):
+                    yield f"model.layers.{i}.{suffix}", getattr(layer, name)
         yield "model.norm.weight", self.norm
         if not self.config.tie_embeddings:
             yield "lm_head.weight", self.lm_head

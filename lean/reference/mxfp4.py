@@ -41,3 +41,22 @@ def mxfp4_dequant_ref(blocks, scales, dtype=torch.bfloat16):
     vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)      # (..., G, 32)
     out = vals * e8m0_half_fp32(scales)[..., None]
     return out.to(dtype).flatten(-2)
+
+
+def mxfp4_quantize_ref(w):
+    """(blocks (..., G, 16) uint8, scales (..., G) uint8) of w (..., G * 32): per 32-value block the
+    scale 2^(floor(log2(amax)) - 2) (e2m1's largest exponent is 2), each value rounded to the
+    nearest e2m1 (ties to the lower magnitude), clipped at 6. For tests and random-init benches
+    (checkpoints come quantised); mxfp4_dequant_ref of its output is what a model built from it holds."""
+    *lead, n = w.shape
+    assert n % 32 == 0
+    x = w.detach().to(torch.float32).reshape(*lead, n // 32, 32)
+    amax = x.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2, torch.zeros_like(amax))
+    s = (e + 127).clamp(0, 254)
+    mags = torch.tensor(FP4[:8], dtype=torch.float32, device=w.device)
+    r = (x / torch.exp2(s - 127)[..., None]).clamp(-6, 6)
+    idx = (r.abs()[..., None] - mags).abs().argmin(-1)                     # nearest magnitude, first on ties
+    nib = (idx + 8 * (r < 0)).to(torch.uint8)
+    blocks = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return blocks.contiguous(), s.to(torch.uint8)

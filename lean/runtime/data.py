@@ -16,6 +16,13 @@ Loss masks (mask[t] = 1: token t is a target, predicted from token t-1; see batc
                 render(messages[:i+1]) for an assistant message i, and the span lies between their
                 lengths, so the end-of-turn token (<|im_end|>, <|eot_id|>) is a target and the
                 model learns to stop. A token is a target when its character offsets overlap a span.
+                Templates that render a turn from the turns after it (gpt-oss's harmony: the last
+                assistant turn ends in <|return|>, the others in <|end|>; reasoning before a tool
+                call is dropped once a final answer follows) break that prefix rule; for them the
+                turns are found by their markers: the generation prompt G (what
+                add_generation_prompt appends, "<|start|>assistant") opens an assistant turn, which
+                runs to the next turn opener (G's first token, "<|start|>"); a chat with fewer G
+                turns than assistant messages raises. A record's "tools" go to the template.
   instruction   a two-turn chat (user = instruction + "\\n\\n" + input, assistant = output) when the
                 tokenizer has a chat template; otherwise "instruction\\n\\ninput\\n\\noutput" + EOS
                 with the loss on the output and EOS
@@ -97,7 +104,7 @@ def _record_docs(rec: Record, tok, max_len: int, counts: dict) -> list:
     if rec.kind == "instruction":
         user = rec.instruction + ("\n\n" + rec.input if rec.input else "")
         messages = ({"role": "user", "content": user}, {"role": "assistant", "content": rec.output})
-    text, spans = _assistant_spans(tok, messages, rec.source)
+    text, spans = _assistant_spans(tok, messages, rec.source, rec.tools)
     ids, offsets = tok.encode_with_offsets(text, add_special_tokens=False)
     return [_truncate(np.asarray(ids, np.int32), _mask_from_spans(offsets, spans), max_len, counts)]
 
@@ -132,24 +139,51 @@ def _truncate(ids, mask, max_len: int, counts: dict):
     return ids, mask
 
 
-def _assistant_spans(tok, messages, source: str):
+def _assistant_spans(tok, messages, source: str, tools=None):
     """The rendered chat and the character spans [start, end) of its assistant turns."""
     messages = list(messages)
-    full = tok.apply_chat_template(messages)
+    render = lambda ms, gen=False: tok.apply_chat_template(ms, add_generation_prompt=gen, tools=tools)  # noqa: E731
+    full = render(messages)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
-        upto = full if i == len(messages) - 1 else tok.apply_chat_template(messages[:i + 1])
+        before = render(messages[:i], True)
+        upto = full if i == len(messages) - 1 else render(messages[:i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
-            raise DataError(
-                f"{source}: the chat template does not render assistant turn {i} as an extension of "
-                "the turns before it (it rewrites earlier turns, or the chat starts with an "
-                "assistant message), so its loss mask cannot be found: start chats with a user or "
-                "system turn, or use a template whose prefixes render unchanged")
+            return full, _marker_spans(tok, messages, full, render, source)
         spans.append((len(before), len(upto)))
     return full, spans
+
+
+def _marker_spans(tok, messages, full, render, source: str):
+    """Assistant spans of a template that renders turns from the turns after them: each from the
+    end of a generation prompt G in `full` to the next turn opener (G's first token)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    plain = render(messages[:first]) if first else ""
+    prompt = render(messages[:first], True)
+    G = prompt[len(plain):] if prompt.startswith(plain) else ""
+    ids, offsets = tok.encode_with_offsets(G) if G else ([], [])
+    opener = G[offsets[0][0]:offsets[0][1]] if ids else ""
+    if not (G and opener and full.startswith(prompt)):
+        raise DataError(
+            f"{source}: the chat template does not render assistant turn {first} as an extension of "
+            "the turns before it (it rewrites earlier turns, or the chat starts with an "
+            "assistant message), so its loss mask cannot be found: start chats with a user or "
+            "system turn, or use a template whose prefixes render unchanged")
+    spans, at = [], len(plain)
+    while (p := full.find(G, at)) >= 0:
+        start = p + len(G)
+        end = full.find(opener, start)
+        end = len(full) if end < 0 else end
+        spans.append((start, end))
+        at = end
+    n_assistant = sum(m["role"] == "assistant" for m in messages)
+    if len(spans) < n_assistant:
+        raise DataError(f"{source}: the chat renders {len(spans)} assistant turn(s) opened by {G!r} for "
+                        f"{n_assistant} assistant message(s), so its loss mask cannot be found: check the "
+                        "messages' roles against the model's chat template")
+    return spans
 
 
 def _mask_from_spans(offsets, spans) -> np.ndarray:

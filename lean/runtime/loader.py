@@ -4,6 +4,7 @@ Shards are read one at a time, each tensor copied straight into its view of the 
 buffers in the compute dtype through the explicit name map of lean/models/weights.py. transformers
 is never imported. Pickle checkpoints (*.bin, *.pt) are refused: they can run code when loaded.
 """
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -105,24 +106,45 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None):
     model_dir = resolve_model_dir(path_or_id)
     cfg = read_config(model_dir)
 
+    def open_shard(f):
+        try:
+            return safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:
+            raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated: "
+                                 "delete it and download it again") from e
+
+    files = shard_files(model_dir)
+    names = []
+    for f in files:  # the headers only: which layout the experts are stored in
+        with open_shard(f) as handle:
+            names += list(handle.keys())
+
     def tensors():
-        for f in shard_files(model_dir):
-            try:
-                handle = safe_open(str(f), framework="pt", device="cpu")
-            except Exception as e:
-                raise ModelLoadError(f"{f} is not a readable safetensors file ({e}); it may be truncated: "
-                                     "delete it and download it again") from e
-            with handle:
+        for f in files:
+            with open_shard(f) as handle:
                 for name in handle.keys():
                     yield name, (lambda n=name: handle.get_tensor(n)), f
 
-    return _fill(cfg, tensors(), dtype, device, str(model_dir))
+    return _fill(_stored_as(cfg, names), tensors(), dtype, device, str(model_dir))
 
 
 def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None):
     """A lean Model from a config.json dict and HF-named tensors already in memory."""
-    cfg = config_from_hf(config)
+    cfg = _stored_as(config_from_hf(config), list(tensors))
     return _fill(cfg, ((k, (lambda t=t: t), "tensors") for k, t in tensors.items()), dtype, device, "")
+
+
+def _stored_as(cfg, names):
+    """cfg with expert_quant set from the tensors a checkpoint holds: GPT-OSS experts stay MXFP4 when
+    the checkpoint has them so (*_blocks / *_scales), and load in the model dtype when it holds bf16
+    ones (a dequantised copy may keep config.json's quantization_config)."""
+    if not cfg.expert_bias:
+        return cfg
+    mx = any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
+    if mx and (cfg.hidden % 32 or cfg.moe_intermediate % 32):
+        raise ModelLoadError(f"MXFP4 experts need hidden_size and intermediate_size multiples of 32 (got "
+                             f"{cfg.hidden}, {cfg.moe_intermediate}): the weights do not match the config")
+    return dataclasses.replace(cfg, expert_quant="mxfp4" if mx else "")
 
 
 def _fill(cfg, named, dtype, device, path):
@@ -162,10 +184,6 @@ def _fill(cfg, named, dtype, device, path):
         if fused in seen:
             seen.add(p)
     missing = [n for n in targets if n not in seen]
-    if any(n.endswith(("_blocks", "_scales")) for n in unexpected):
-        raise ModelLoadError(f"{path or 'tensors'}: the experts are stored in MXFP4 (*_blocks, *_scales), which lean "
-                             "does not load yet: write a bf16 copy once with transformers (from_pretrained(..., "
-                             "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained(dir)) and train on it")
     if missing or unexpected:
         parts = []
         if missing:

@@ -3,6 +3,10 @@
     W' = W + scale * B A          for every adapted projection (O, K) = (O, R) @ (R, K)
     W'[e] = W[e] + scale * B[e] A[e]   for each expert e of an adapted MoE expert weight (E, O, K)
 
+Experts held in MXFP4 (GPT-OSS's hub checkpoints) are dequantised and written in the merge's dtype
+(bf16 by default) under the bf16 checkpoint's names, and config.json loses its quantization_config:
+a merged MXFP4 model is a bf16 model (about 3x the experts' bytes), as PEFT's merge makes it.
+
 The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
 tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
 copied from the model's folder, config.json with its dtype set to the merge's (what transformers
@@ -27,14 +31,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def merged_tensors(model, lora, dtype):
-    """{HF name: host tensor} of the model with the adapter folded in."""
+    """{HF name: host tensor} of the model with the adapter folded in (MXFP4 experts dequantised)."""
+    from ..models.weights import layer_fields
+
     adapted = {}
-    for li, layer in enumerate(model.layers):
+    for li in range(model.config.n_layers):
+        suffix = {f: s for f, s, _ in layer_fields(model.config, li, dequantised=True)}
         for t, ad in lora.layers[li].items():
-            adapted[id(getattr(layer, t))] = ad
+            adapted[f"model.layers.{li}.{suffix[t]}"] = ad
     out = {}
-    for name, w in model.hf_tensors():
-        ad = adapted.get(id(w))
+    for name, w in model.hf_tensors(dequantised=True):
+        ad = adapted.get(name)
         if ad is not None:
             w32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (O, K) or (E, O, K)
             w32.copy_(w)
@@ -76,6 +83,7 @@ def merge_and_save(model, lora, out_dir, *, dtype="bfloat16", src_dir=None, over
         config = json.loads((tmp / "config.json").read_text())
         for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
             config[key] = dtype
+        config.pop("quantization_config", None)  # MXFP4 experts were dequantised above
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if out.exists():
             shutil.rmtree(out)

@@ -118,7 +118,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
         from .offload import measure_rates
         rates = measure_rates(model, n_tokens)
     seen, weights = set(), 0
-    for t in [model.embed, model.lm_head, model.norm] + [layer.buf for layer in model.layers]:
+    for t in [model.embed, model.lm_head, model.norm] + [b for layer in model.layers for b in (layer.buf, layer.qbuf)]:
         if t.data_ptr() not in seen and t.device.type == model.device.type:
             seen.add(t.data_ptr())
             weights += t.numel() * t.element_size()

@@ -46,11 +46,13 @@ class DataWarning(UserWarning):
 @dataclass(frozen=True)
 class Record:
     """One training example. kind: "text" (text), "instruction" (instruction, input, output) or
-    "chat" (messages: a tuple of {"role", "content", ...} dicts). source: where it came from."""
+    "chat" (messages: a tuple of {"role", "content", ...} dicts; tools: the record's tool schemas,
+    passed to the chat template as transformers passes them, or None). source: where it came from."""
     kind: str
     source: str
     text: str = ""
     messages: tuple = ()
+    tools: tuple = None
     instruction: str = ""
     input: str = ""
     output: str = ""
@@ -174,7 +176,7 @@ def _parse_record(obj, source: str) -> list:
         raise DataError(f"{source}: a record must be an object, found {type(obj).__name__}: "
                         f"write one of {SHAPES}")
     if "messages" in obj:
-        return [Record("chat", source, messages=_check_messages(obj["messages"], source))]
+        return [Record("chat", source, messages=_check_messages(obj["messages"], source), tools=_tools(obj, source))]
     if "instruction" in obj:
         return [_instruction(obj, source)]
     if "text" in obj:
@@ -224,6 +226,17 @@ def _sharegpt(turns, source: str) -> list:
     return out
 
 
+def _tools(obj, source: str):
+    """A chat record's "tools" (OpenAI-style function schemas, a list of objects), or None."""
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{source}: 'tools' must be a list of function schemas "
+                        '({"type": "function", "function": {"name", "description", "parameters"}})')
+    return tuple(tools)
+
+
 def _check_messages(messages, source: str) -> tuple:
     """Messages as the chat template gets them: role and content checked, other keys (tool_calls,
     name, reasoning_content, tool_call_id ...) passed through as transformers passes them."""
@@ -231,11 +244,12 @@ def _check_messages(messages, source: str) -> tuple:
         raise DataError(f"{source}: 'messages' must be a non-empty list of {{\"role\", \"content\"}}")
     out = []
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        call = isinstance(m, dict) and bool(m.get("tool_calls"))  # may omit content (gpt-oss's harmony chats do)
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not call):
             keys = sorted(map(str, m)) if isinstance(m, dict) else type(m).__name__
             raise DataError(f"{source}: message {j} needs 'role' and 'content' (found {keys}): "
                             'write {"role": "user" | "assistant" | "system", "content": "..."}')
-        role, content = _string(m["role"], f"messages[{j}].role", source), m["content"]
+        role, content = _string(m["role"], f"messages[{j}].role", source), m.get("content")
         if role in ("human", "gpt"):
             raise DataError(f"{source}: messages[{j}].role = {role!r} is ShareGPT's name: write "
                             f"{SHAREGPT_ROLES[role]!r}, or use the ShareGPT shape {{\"conversations\": [{{\"from\", \"value\"}}]}}")

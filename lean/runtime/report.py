@@ -36,7 +36,7 @@ def report_in_process(cfg, device, model) -> bool:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    params = model.embed.numel() + sum(w.buf.numel() for w in model.layers)
+    params = model.embed.numel() + sum(w.buf.numel() + 2 * w.qbuf.numel() for w in model.layers)
     return device == "cpu" and cores >= 2 and params >= MIN_PARAMS
 
 

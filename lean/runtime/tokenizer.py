@@ -15,9 +15,8 @@ a `tojson` filter that does not escape HTML, and the special tokens (bos_token, 
 pad_token, unk_token) as variables. `{% generation %}` blocks render their body and track nothing.
 
 Errors are TokenizerError naming the folder or file and the fix.
-Caution: templates are untrusted code; the sandbox is jinja2's. Tool schemas, documents and
-reasoning-field aliases of transformers' renderer are not supported: pass plain role/content
-messages.
+Caution: templates are untrusted code; the sandbox is jinja2's. Tool schemas pass through as
+`tools` (the JSON given); documents and transformers' reasoning-field aliases are not supported.
 Tested: tests/test_data.py renders several chats equal to transformers' apply_chat_template and
 encodes equal ids on the SmolLM2 tokenizer.
 """
@@ -186,11 +185,13 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = False) -> str:
-        """Render messages ([{"role", "content"}, ...]) with the chat template, as a string."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tools=None) -> str:
+        """Render messages ([{"role", "content"}, ...]) with the chat template, as a string; tools:
+        function schemas, as transformers passes them (None when absent)."""
         if self._template is None:
             raise TokenizerError(f"{self.name}: the tokenizer has no chat template: add "
                                  "chat_template.jinja to the model folder, or train on plain text")
-        # tools=None, documents=None as transformers passes them: templates test `tools is not none`
-        return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+        # documents=None as transformers passes it: templates test `tools is not none`
+        return self._template.render(messages=[dict(m) for m in messages],
+                                     tools=[dict(t) for t in tools] if tools else None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special)

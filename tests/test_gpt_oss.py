@@ -82,8 +82,11 @@ def _rel_max(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("E,K,mxfp4", [(8, 2, False), (5, 2, True)])  # E 4: the adapters test below
-def test_gpt_oss_step_matches_hf_peft(tmp_path, E, K, mxfp4):
+@pytest.mark.parametrize("E,K,mxfp4,fused", [(8, 2, False, False), (5, 2, True, False), (5, 2, True, True)])
+def test_gpt_oss_step_matches_hf_peft(tmp_path, monkeypatch, E, K, mxfp4, fused):
+    """(E 4: the adapters test below.) MXFP4 experts both ways models/moe.py can read them: a
+    transient dequantised weight per GEMM (the default), and gmm_mxfp4 (MXFP4_FUSED)."""
+    monkeypatch.setattr(lean.models.moe, "MXFP4_FUSED", fused)
     seed = _seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, oss_config(E, K, **({"intermediate_size": 64} if mxfp4 else {})), seed,

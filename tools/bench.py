@@ -632,17 +632,29 @@ def _oss_gmm_case(B, mx, gg, name, shape, x, q, w, transpose, gather, offsets, o
     def bf16_fn():
         gg.gmm(y_ref, x, w.transpose(1, 2) if transpose else w, offsets, **kw)
 
+    wq = torch.empty_like(w)
+
+    def dequant_fn():  # models/moe.py's default (MXFP4_FUSED False): one GEMM's transient bf16 weight
+        mx.mxfp4_dequant(wq, blocks, scales)
+        gg.gmm(y, x, wq.transpose(1, 2) if transpose else wq, offsets, **kw)
+
     mx_fn()
     bf16_fn()
     B.sync()
     err = rel_err([(y, y_ref)])
-    mx_ms, bf_ms = B.time_graph(mx_fn), B.time_graph(bf16_fn)
+    dequant_fn()
+    B.sync()
+    err_dq = rel_err([(y, y_ref)])
+    mx_ms, dq_ms, bf_ms = B.time_graph(mx_fn), B.time_graph(dequant_fn), B.time_graph(bf16_fn)
     e = x.element_size()
     flops = 2.0 * P * O * Kd
     nbytes = e * (x.shape[0] * Kd + P * O) + E * O * Kd * 17 / 32  # x, y; the MXFP4 weight (4.25 bits)
-    B.add(name, f"{shape} O{O} K{Kd}" + (" gather" if gather else "") + (" transposed" if transpose else ""), mx_ms,
-          flops=flops, bytes_=nbytes, torch_ms=bf_ms, baseline="lean gmm bf16 weight", err=err,
+    label = f"{shape} O{O} K{Kd}" + (" gather" if gather else "") + (" transposed" if transpose else "")
+    B.add(name + " (fused)", label, mx_ms, flops=flops, bytes_=nbytes, torch_ms=bf_ms,
+          baseline="lean gmm bf16 weight", err=err,
           note=f"weight bytes {E * O * Kd * 17 / 32 / 2**20:.0f} MiB vs {E * O * Kd * e / 2**20:.0f} MiB")
+    B.add(name + " (dequant+gmm)", label, dq_ms, flops=flops, bytes_=nbytes + E * O * Kd * 2 * e, torch_ms=bf_ms,
+          baseline="lean gmm bf16 weight", err=err_dq, note="mxfp4_dequant into a transient bf16 weight, then gmm")
 
 
 def _grouped_mm():

@@ -16,8 +16,9 @@ Forward, from n2 = rmsnorm(mid) * w_post (the post-attention norm dense.py runs)
     y_s    = act_s Wd_e^T + s (act_s Ad_e^T) Bd_e^T                (P, C)
     m[n]   = sum_i w[n, i] y_s[slot_pos[n*K + i]]                  (N, C) fp32 sum, one rounding
 
-GPT-OSS's experts may be MXFP4 pairs (models/weights.Mxfp4): every weight GEMM then runs through
-gmm_mxfp4, which dequantises the weight tiles in its loads (_wgmm), forward and dX alike.
+GPT-OSS's experts may be MXFP4 pairs (models/weights.Mxfp4): every expert-weight GEMM, forward and
+backward, then reads them through _wgmm (MXFP4_FUSED: dequantised in gmm_mxfp4's tile loads, or
+into one GEMM's transient bf16 weight; the model holds no bf16 copy).
 
 exactly transformers' Qwen3MoeSparseMoeBlock (router, top-k and cast order), with PEFT's expert
 adapters (runtime/lora.py). The gathers of n2 rows happen in the grouped GEMM's prologue
@@ -54,7 +55,7 @@ from ..kernels.moe_bias_dot import expert_bias_dot
 from ..kernels.moe_glu import moe_glu_bwd, moe_glu_fwd
 from ..kernels.moe_group import group_slots, moe_act_bwd, moe_combine
 from ..kernels.moe_route import route_topk_bwd, route_topk_fwd
-from ..kernels.mxfp4 import gmm_mxfp4
+from ..kernels.mxfp4 import gmm_mxfp4, mxfp4_dequant
 from ..kernels.swiglu import swiglu_fwd
 from .weights import Mxfp4
 
@@ -92,13 +93,26 @@ def _experts(w, cfg):
     return w.gate_up, w.down_e
 
 
+# MXFP4 experts: True runs gmm_mxfp4 (the weight dequantised in the GEMM's tile loads, no copy);
+# False dequantises the GEMM's weight into a transient (E, out, in) buffer in x's dtype first
+# (mxfp4_dequant, ~0.4 ms at gpt-oss-20b's gate_up) and runs gmm on it. Measured on the H100
+# (gpt-oss-20b, 8192 tokens, BENCHMARKS.md): gmm_mxfp4's per-element byte and scale loads make it
+# 7-11x slower than gmm, so the transient buffer (one GEMM's weight: 1.0 GB at gate_up, priced by
+# the planner as "wq") is the default until its tile decode is reworked; both paths are tested.
+MXFP4_FUSED = False
+
+
 def _wgmm(y, x, w, offsets, transpose=False, **kw):
     """y = x @ W_e^T (transpose: x @ W_e) per expert, W (E, out, in) a tensor or an Mxfp4 pair
-    dequantised in the GEMM's weight loads (kernels/mxfp4.gmm_mxfp4): no bf16 copy of it is made."""
-    if isinstance(w, Mxfp4):
+    (MXFP4_FUSED says how it is read)."""
+    if isinstance(w, Mxfp4) and MXFP4_FUSED:
         gmm_mxfp4(y, x, w.blocks, w.scales, offsets, transpose=transpose, **kw)
-    else:
-        gmm(y, x, w.transpose(1, 2) if transpose else w, offsets, **kw)
+        return
+    if isinstance(w, Mxfp4):
+        wq = torch.empty(w.shape, dtype=x.dtype, device=x.device)  # (E, out, in), freed on return
+        mxfp4_dequant(wq, w.blocks, w.scales)
+        w = wq
+    gmm(y, x, w.transpose(1, 2) if transpose else w, offsets, **kw)
 
 
 def _act_fwd(act, h, cfg):

@@ -152,7 +152,8 @@ class Row(NamedTuple):
     shape: str  # in the legend's symbols; "R*" = one (N, R) per LoRA projection
     dtype: str  # "act", "fp32" or "int32"
     # "always" | "qk_norm" | "lora" (an (N, R) xa row) | "moe" (MoE layers only) | "mlp" (dense-MLP
-    # layers only) | "gate_up" / "down_e" (an MoE layer whose experts carry that adapter)
+    # layers only) | "gate_up" / "down_e" (an MoE layer whose experts carry that adapter) | "mxfp4"
+    # (an MoE layer whose experts are held in MXFP4)
     when: str = "always"
 
 
@@ -192,11 +193,13 @@ MOE_PLAN = (  # what an MoE layer's block saves: moe.MoeSaved, in its field orde
 # sorted expert outputs; dn2, then gb = g B_d, G = dL/d(e_act) before w, dw, e_act again (the down
 # dA's input), dhb = dh B_gu, dX the sorted dL/dn2 rows, dlogits; route_part, route_topk_fwd's
 # prob_sum partials (the aux loss on, not in a rebuild); hist, group_slots' (blocks, E) int32;
-# ws_fwd / ws_bwd, the router GEMMs' split-K workspaces (gemm_splitk.py; 0 under the interpreter).
+# ws_fwd / ws_bwd, the router GEMMs' split-K workspaces (gemm_splitk.py; 0 under the interpreter);
+# wq, an MXFP4 expert weight dequantised for one grouped GEMM (moe._wgmm; priced at gate_up's size).
 MOE_EXTRA = (
     Row("e_act", "P,Fe", "act"), Row("y", "P,C", "act"),
     Row("gb", "P,R", "act", "down_e"), Row("G", "P,Fe", "act"), Row("dw", "N,K", "fp32"),
     Row("dhb", "P,2*R", "act", "gate_up"), Row("dX", "P,C", "act"), Row("dlogits", "N,E", "act"),
+    Row("wq", "E,2*Fe,C", "act", "mxfp4"),  # MXFP4 experts: the weight of one expert GEMM, dequantised
 )
 
 # What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
@@ -280,6 +283,8 @@ def _row_bytes(row, cfg, n_tokens, act_bytes, lora_rank, kind):
     if row.when in ("gate_up", "down_e") and row.when not in ts:
         return 0
     if (row.when == "moe" and not moe) or (row.when == "mlp" and moe):
+        return 0
+    if row.when == "mxfp4" and not (moe and cfg.expert_quant == "mxfp4"):
         return 0
     if row.name == "moe":
         return sum(_row_bytes(r, cfg, n_tokens, act_bytes, lora_rank, kind) for r in MOE_PLAN)
@@ -437,8 +442,8 @@ def _moe_forward_events(lora_targets, keep, rebuild, aux):
     ev += [("+", "route_part"), ("-", "route_part")] if aux and not rebuild else []
     ev += [("+", "order"), ("+", "slot_pos"), ("+", "offsets"), ("+", "hist"), ("-", "hist")]
     ev += [("+", "xa_gu")] if "gate_up" in lora_targets else []
-    ev += [("+", "h"), ("+", "e_act")] + ([("+", "xa_d")] if "down_e" in lora_targets else [])
-    ev += [("-", "e_act")] if rebuild else [("+", "y"), ("-", "e_act"), ("-", "y")]
+    ev += [("+", "h"), ("+", "wq"), ("-", "wq"), ("+", "e_act")] + ([("+", "xa_d")] if "down_e" in lora_targets else [])
+    ev += [("-", "e_act")] if rebuild else [("+", "y"), ("+", "wq"), ("-", "wq"), ("-", "e_act"), ("-", "y")]
     ev += [("-", "n2")]
     if keep is not None and not rebuild and "moe" not in keep:  # the MoeSaved rows die with the forward
         ev += [("-", r.name) for r in MOE_PLAN]  # (an expert adapter's row is 0 bytes without it)
@@ -449,9 +454,9 @@ def moe_backward_events(lora_targets):
     """dense.layer_backward's MoE block (moe.moe_backward, rmsnorm_bwd, moe_backward_da): its
     allocations and releases, in order, above the rows the layer holds and g."""
     gu, dn = "gate_up" in lora_targets, "down_e" in lora_targets
-    ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "dw")]
+    ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "wq"), ("-", "wq"), ("+", "dw")]
     ev += ([("+", "e_act")] if dn else []) + [("-", "G")] + ([("-", "gb"), ("-", "e_act")] if dn else [])
-    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("-", "dX")]
+    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("+", "wq"), ("-", "wq"), ("-", "dX")]
     ev += [("+", "dlogits"), ("+", "ws_bwd"), ("-", "ws_bwd"), ("-", "dlogits"), ("-", "dw")]
     return ev + [("-", "dn2")] + ([("-", "dhb")] if gu else [])
 

@@ -226,6 +226,31 @@ def test_moe_offload_recompute_bitwise_and_peak_exact(tmp_path, config, targets,
     _bitwise_and_peak_exact(model, lora, batch, modes, 4, 0.0)
 
 
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["gpt-oss-bf16", "gpt-oss-mxfp4"])
+def test_gpt_oss_offload_recompute_bitwise_and_peak_exact(mxfp4):
+    """GPT-OSS (sinks, a window, biased router and experts, the clamped GLU; MXFP4 experts with
+    their transient dequantised weights): the walk's peak is the step's, offloaded and recomputed
+    layers give the keep step's bits."""
+    from lean.models.weights import random_mxfp4_
+    from tests.test_gpt_oss import oss_config
+
+    gen = fresh_generator("cpu")
+    config = oss_config(5, 2, window=4, layers=3, intermediate_size=64).to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    model = empty_model(config_from_hf(config), torch.float32, "cpu")
+    assert (model.config.expert_quant == "mxfp4") == mxfp4
+    for name, t in model.hf_tensors():
+        if t.dtype == torch.uint8:
+            random_mxfp4_(t, name, gen)
+        else:
+            r = torch.randn(t.shape, generator=gen)
+            t.copy_((1.0 + 0.1 * r) if name.endswith("norm.weight") else (0.3 if "router" in name else 0.05) * r)
+    lora = _lora(model, 4, 0.0, gen)
+    _bitwise_and_peak_exact(model, lora, _batch(model, gen, 24 + _randint(gen, 16)), (O, R, K), 4, 0.0)
+
+
 def test_plan_bytes_equal_what_the_tape_and_scheduler_hold():
     gen = fresh_generator("cpu")
     model = _model(_tiny("qwen2", 4), gen)

@@ -98,7 +98,7 @@ def _experts(w, cfg):
 # (mxfp4_dequant, ~0.4 ms at gpt-oss-20b's gate_up) and runs gmm on it. Measured on the H100
 # (gpt-oss-20b, 8192 tokens, BENCHMARKS.md): gmm_mxfp4's per-element byte and scale loads make it
 # 7-11x slower than gmm, so the transient buffer (one GEMM's weight: 1.0 GB at gate_up, priced by
-# the planner as "wq") is the default until its tile decode is reworked; both paths are tested.
+# the planner as "wq_gu" / "wq_d") is the default until its tile decode is reworked; both paths are tested.
 MXFP4_FUSED = False
 
 

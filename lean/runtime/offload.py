@@ -169,7 +169,8 @@ def measure_rates(model, n_tokens, repeats=9):
     (n_tokens, C) x (C, F), each the fastest of `repeats` after a warm-up (what the link and the
     GEMM can do; single copies vary by up to ~20% between calls), timed with CUDA events.
     The GEMM reads the model's own weights (no zeros: a dense layer's gate, or where every layer is
-    an MoE layer, F rows of layer 0's expert gate_up). None on a CPU."""
+    an MoE layer, F rows of layer 0's expert gate_up, or of its q when the experts are MXFP4). None
+    on a CPU."""
     from ..kernels.gemm import matmul
     from .plan import Rates
     if model.device.type != "cuda":
@@ -179,8 +180,9 @@ def measure_rates(model, n_tokens, repeats=9):
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
     w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
-    if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C)
-        w = model.layers[0].gate_up.view(-1, C)[:F]
+    if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C), or of
+        gu = model.layers[0].gate_up  # q (Oq, C) where the experts are MXFP4 pairs
+        w = gu.reshape(-1, C)[:F] if isinstance(gu, torch.Tensor) else model.layers[0].q[:F]
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
     x = model.lm_head[:N]  # (N, C): real rows, no zeros (on the GPU: an untied embed may be on the host)
 

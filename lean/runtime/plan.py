@@ -1,7 +1,8 @@
 """The activation plan: every tensor a layer saves, its policy per layer, and the step's predicted peak.
 
 Shape legend: N tokens, C hidden, H/KVH heads, D head dim, F MLP hidden, R LoRA rank, V vocab;
-MoE layers (Qwen3-MoE): E experts, K experts per token, P = N*K slots, Fe one expert's MLP width.
+MoE layers (Qwen3-MoE, GPT-OSS): E experts, K experts per token, P = N*K slots, Fe one expert's MLP
+width, Rgu the experts' gate_up LoRA rank (2R for Qwen3-MoE, R for GPT-OSS).
 act = the model's compute dtype (2 bytes for bf16).
 
 What one layer's forward saves for its backward (dense.Saved, field for field):
@@ -37,7 +38,7 @@ An MoE layer's block saves (moe.MoeSaved, field for field; MOE_PLAN):
 | slot_pos | (P,)     | int32 | sorted position of each slot                                |
 | offsets  | (E+1,)   | int32 | first sorted position of each expert                        |
 | h        | (P, 2Fe) | act   | gate | up of every slot, sorted (overwritten by its gradient) |
-| xa_gu    | (P, 2R)  | act   | the experts' gate_up LoRA rows (with that adapter)          |
+| xa_gu    | (P, Rgu) | act   | the experts' gate_up LoRA rows (with that adapter)          |
 | xa_d     | (P, R)   | act   | the experts' down LoRA rows (with that adapter)             |
 
 Each layer is priced as its kind (cfg.is_moe) with its own LoRA targets (lora.layer_targets: an
@@ -185,7 +186,7 @@ MOE_PLAN = (  # what an MoE layer's block saves: moe.MoeSaved, in its field orde
     Row("slot_pos", "P", "int32"),
     Row("offsets", "E+1", "int32"),
     Row("h", "P,2*Fe", "act"),
-    Row("xa_gu", "P,2*R", "act", "gate_up"),
+    Row("xa_gu", "P,Rgu", "act", "gate_up"),
     Row("xa_d", "P,R", "act", "down_e"),
 )
 # What moe_forward and moe_backward allocate besides MoeSaved, and the kernels' scratch (moe.py, in
@@ -194,12 +195,12 @@ MOE_PLAN = (  # what an MoE layer's block saves: moe.MoeSaved, in its field orde
 # dA's input), dhb = dh B_gu, dX the sorted dL/dn2 rows, dlogits; route_part, route_topk_fwd's
 # prob_sum partials (the aux loss on, not in a rebuild); hist, group_slots' (blocks, E) int32;
 # ws_fwd / ws_bwd, the router GEMMs' split-K workspaces (gemm_splitk.py; 0 under the interpreter);
-# wq, an MXFP4 expert weight dequantised for one grouped GEMM (moe._wgmm; priced at gate_up's size).
+# wq_gu / wq_d, an MXFP4 expert weight (gate_up's, down's) dequantised for one grouped GEMM (moe._wgmm).
 MOE_EXTRA = (
     Row("e_act", "P,Fe", "act"), Row("y", "P,C", "act"),
     Row("gb", "P,R", "act", "down_e"), Row("G", "P,Fe", "act"), Row("dw", "N,K", "fp32"),
-    Row("dhb", "P,2*R", "act", "gate_up"), Row("dX", "P,C", "act"), Row("dlogits", "N,E", "act"),
-    Row("wq", "E,2*Fe,C", "act", "mxfp4"),  # MXFP4 experts: the weight of one expert GEMM, dequantised
+    Row("dhb", "P,Rgu", "act", "gate_up"), Row("dX", "P,C", "act"), Row("dlogits", "N,E", "act"),
+    Row("wq_gu", "E,2*Fe,C", "act", "mxfp4"), Row("wq_d", "E,C,Fe", "act", "mxfp4"),  # MXFP4 experts, dequantised
 )
 
 # What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
@@ -239,7 +240,8 @@ BACKWARD_MOMENTS = MLP_MOMENTS + ATTENTION_MOMENTS
 def _sym(cfg, n_tokens, lora_rank, n_xa):
     return {"N": n_tokens, "C": cfg.hidden, "H": cfg.n_heads, "KVH": cfg.n_kv_heads, "D": cfg.head_dim,
             "F": cfg.intermediate, "R*": lora_rank * n_xa, "R": lora_rank, "E": cfg.n_experts, "K": cfg.top_k,
-            "P": n_tokens * cfg.top_k, "Fe": cfg.moe_intermediate}
+            "P": n_tokens * cfg.top_k, "Fe": cfg.moe_intermediate,
+            "Rgu": lora_rank * (1 if cfg.expert_bias else 2)}  # gate_up's expert rank: 2r (Qwen3-MoE), r (GPT-OSS)
 
 
 def layer_lora(cfg, layer, lora_targets):
@@ -322,11 +324,11 @@ def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
     """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
     fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
     lora.layer_targets gives it (an MoE layer's experts: A (E, R, in) and B (E, out, R), R = 2r
-    for gate_up)."""
+    for Qwen3-MoE's gate_up, r for GPT-OSS's)."""
     def numel(t):
         if t not in EXPERT_TARGETS:
             return lora_rank * sum(_proj_dims(cfg, t))
-        return cfg.n_experts * lora_rank * (2 if t == "gate_up" else 1) * sum(_target_shape(cfg, t))
+        return cfg.n_experts * lora_rank * (2 if t == "gate_up" and not cfg.expert_bias else 1) * sum(_target_shape(cfg, t))
 
     P = sum(numel(t) for li in range(cfg.n_layers) for t in layer_targets(cfg, li, tuple(lora_targets)))
     per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
@@ -442,8 +444,8 @@ def _moe_forward_events(lora_targets, keep, rebuild, aux):
     ev += [("+", "route_part"), ("-", "route_part")] if aux and not rebuild else []
     ev += [("+", "order"), ("+", "slot_pos"), ("+", "offsets"), ("+", "hist"), ("-", "hist")]
     ev += [("+", "xa_gu")] if "gate_up" in lora_targets else []
-    ev += [("+", "h"), ("+", "wq"), ("-", "wq"), ("+", "e_act")] + ([("+", "xa_d")] if "down_e" in lora_targets else [])
-    ev += [("-", "e_act")] if rebuild else [("+", "y"), ("+", "wq"), ("-", "wq"), ("-", "e_act"), ("-", "y")]
+    ev += [("+", "h"), ("+", "wq_gu"), ("-", "wq_gu"), ("+", "e_act")] + ([("+", "xa_d")] if "down_e" in lora_targets else [])
+    ev += [("-", "e_act")] if rebuild else [("+", "y"), ("+", "wq_d"), ("-", "wq_d"), ("-", "e_act"), ("-", "y")]
     ev += [("-", "n2")]
     if keep is not None and not rebuild and "moe" not in keep:  # the MoeSaved rows die with the forward
         ev += [("-", r.name) for r in MOE_PLAN]  # (an expert adapter's row is 0 bytes without it)
@@ -454,9 +456,9 @@ def moe_backward_events(lora_targets):
     """dense.layer_backward's MoE block (moe.moe_backward, rmsnorm_bwd, moe_backward_da): its
     allocations and releases, in order, above the rows the layer holds and g."""
     gu, dn = "gate_up" in lora_targets, "down_e" in lora_targets
-    ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "wq"), ("-", "wq"), ("+", "dw")]
+    ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "wq_d"), ("-", "wq_d"), ("+", "dw")]
     ev += ([("+", "e_act")] if dn else []) + [("-", "G")] + ([("-", "gb"), ("-", "e_act")] if dn else [])
-    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("+", "wq"), ("-", "wq"), ("-", "dX")]
+    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("+", "wq_gu"), ("-", "wq_gu"), ("-", "dX")]
     ev += [("+", "dlogits"), ("+", "ws_bwd"), ("-", "ws_bwd"), ("-", "dlogits"), ("-", "dw")]
     return ev + [("-", "dn2")] + ([("-", "dhb")] if gu else [])
 

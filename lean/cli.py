@@ -20,7 +20,6 @@ import importlib.util
 import signal
 import sys
 import warnings
-from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The embedded default on CPU: two steps of 160 tokens through the interpreter (~123 s each on a
@@ -143,7 +142,8 @@ def config_from_args(args):
 
 
 def merge_run(cfg, adapter_dir):
-    """Fold the run's adapter into the model (fp32 on the run's device) and write --out/merged."""
+    """Fold the run's adapter into the model (fp32 on the run's device) and write --out/merged.
+    Returns (its path, whether MXFP4 experts were dequantised for it)."""
     from pathlib import Path
 
     import torch
@@ -159,7 +159,8 @@ def merge_run(cfg, adapter_dir):
     lora = LoRA.load(model, adapter_dir)
     out_dtype = "float32" if dtype_name == "float32" else "bfloat16"
     # out/merged belongs to this run (--overwrite cleared an earlier run's): replace it
-    return merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder, overwrite=True)
+    out = merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder, overwrite=True)
+    return out, model.config.expert_quant == "mxfp4"
 
 
 def main(argv=None) -> int:
@@ -201,7 +202,9 @@ def main(argv=None) -> int:
         if term is not None:
             signal.signal(signal.SIGTERM, term)
     if merged is not None:
-        print(f"lean-train: merged model in {merged}")
+        path, mxfp4 = merged
+        print(f"lean-train: merged model in {path}" + (" (written in bf16: its MXFP4 experts were dequantised to "
+              "fold the adapter in, about 3x their size on disk)" if mxfp4 else ""))
     if metrics.get("finished"):
         print(f"lean-train: done: the run had finished step {metrics['step']} of {cfg.steps}, nothing left to "
               f"train; adapter in {metrics['adapter']}" + ("" if args.merge else " (add --merge to also write "

@@ -151,3 +151,48 @@ def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path, mxfp4):
     full = lean.forward(model, lora, lean.pack([seq], max_tokens=len(seq), device=DEVICE))
     for i, lg in enumerate(steps):  # positions past the window of 3: the cache's window is exercised
         assert _rel_max(lg[0], full[len(prompt) - 1 + i]) <= 1e-5, f"step {i}"
+
+
+def test_train_runs_an_mxfp4_gpt_oss_and_resumes(tmp_path, monkeypatch):
+    """lean-train's loop on a GPT-OSS folder with MXFP4 experts: Ctrl-C inside step 3 of 3, --resume, and
+    the per-step losses equal an uninterrupted run's bit for bit; the metrics carry the expert load;
+    the adapter loads in PEFT on the dequantised model; --merge writes a bf16-layout model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import lean.runtime.train as T
+    from tests.test_train import _metrics, _raise_on_call, _records, _write_tokenizer
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    _setup(tmp_path, oss_config(4, 2, window=4, vocab_size=16, intermediate_size=32), seed, mxfp4=True)
+    _write_tokenizer(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(rng)))
+
+    def cfg(name, **kw):
+        return T.TrainConfig(model=str(tmp_path / "model"), data=str(data), out_dir=str(tmp_path / name),
+                             max_tokens=32, steps=3, lr=5e-2, warmup_steps=1, r=2, alpha=4, seed=seed % 1000,
+                             eval_every=0, save_every=0, heldout_fraction=0.1, progress=False, sample_tokens=0, **kw)
+    full = T.train(cfg("full"))
+    assert full["eval_loss"] < full["eval_loss_before"]
+    run = cfg("run")
+    _raise_on_call(monkeypatch, "forward_backward", 3, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match="after step 2.*--resume"):
+        T.train(run)
+    monkeypatch.undo()
+    run.resume = True
+    T.train(run)
+    losses, ref = _metrics(tmp_path / "run", "train"), _metrics(tmp_path / "full", "train")
+    assert sorted(losses) == [1, 2, 3] and [losses[s] for s in range(1, 4)] == [ref[s] for s in range(1, 4)]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["expert_load_max_over_mean"] >= 1.0 for m in lines if m["kind"] == "train")
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "run" / "adapter")
+    assert any("experts" in k for k, _ in pm.named_parameters())
+    from lean.cli import merge_run
+    merged, dequantised = merge_run(run, tmp_path / "run" / "adapter")
+    assert dequantised and "quantization_config" not in json.loads((merged / "config.json").read_text())
+    from safetensors import safe_open
+    with safe_open(str(merged / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in names) and not any(k.endswith("_blocks") for k in names)

@@ -20,6 +20,7 @@ import importlib.util
 import signal
 import sys
 import warnings
+from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The embedded default on CPU: two steps of 160 tokens through the interpreter (~123 s each on a

@@ -29,15 +29,16 @@ gmm_mxfp4: lean/kernels/grouped_gemm.py's gmm with the weight held as MXFP4 (blo
         w = Wd (transpose=False: O = A, Kd = Bd, blocks along Kd; gate_up / down forward)
         w = Wd.transpose(1, 2) (transpose=True: O = Bd, Kd = A, blocks along O; the dX GEMMs)
     Flags GATHER, LORA, BIAS, PACK_K (no accumulate: no MoE GEMM on a frozen MXFP4 weight needs it).
-    Untuned: every element of a w tile loads its byte and its scale (a (BK, BN) pointer grid, each
-    byte read twice and each scale 32 times, from L1); the tiles are gmm's.
+    A w tile is read as whole bytes and scales along its packed dim ((BN, BK/2) and (BN, BK/32) with
+    blocks along Kd, (BK, BN/2) and (BK, BN/32) transposed: BK / BN at least 32), decoded and
+    scaled in registers (_decode); the tiles are otherwise gmm's (untuned).
 
 Supported: any leading shape and block count (int64 offsets); contiguous tensors.
 Shared memory (triton.compile for GPUTarget on the CPU, as tools/arch_compile.py; gpt-oss-20b's
 shapes, bf16, N 8192, K 4, E 32, C = F = 2880, R 16): mxfp4_dequant 1,024 B on every tier;
-gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) 49,152 B on sm_86/120 (limit
-101,376), 65,536 B on sm_80, 81,920 B on sm_90: gmm's tiles fit with room (the byte and scale
-tiles are decoded in registers, not staged). tools/arch_compile.py launches them with the MoE preset.
+gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) at most 57,344 B on
+sm_86/89/120/121 (limit 101,376), 77,824 B on sm_80, 94,224 B on sm_90/100: gmm's tiles fit with
+room (the byte and scale tiles are decoded in registers). tools/arch_compile.py launches them with the MoE preset.
 Tested: tests/test_mxfp4.py: under the interpreter, fp32 and fp16 out, bit for bit against the
 reference on every byte at every scale and random gpt-oss-like blocks, an odd block count;
 gmm_mxfp4 (fp32, fp16) equal to gmm on mxfp4_dequant's weight, both orientations, with gather,
@@ -49,9 +50,11 @@ Caution:
     the interpreter so far).
   - bf16 out is not checked in the interpreter: its fp32 -> bf16 cast is not round-to-nearest-even
     (256 of the 65,536 byte-scale pairs differ); the test checks bf16 on a GPU (passed on the H100).
-  - gmm_mxfp4 measured 0.09-0.14x of gmm on the bf16 weight at gpt-oss-20b's shapes (H100,
-    BENCHMARKS.md): models/moe.py dequantises one GEMM's weight with mxfp4_dequant and runs gmm
-    instead (MXFP4_FUSED), until this tile decode loads bytes and scales as tiles.
+  - gmm_mxfp4 measured 0.25-0.31x of gmm on the bf16 weight at gpt-oss-20b's shapes (H100,
+    BENCHMARKS.md; 0.09-0.14x before its loads became byte and scale tiles), mxfp4_dequant + gmm
+    0.79-0.84x: models/moe.py runs the latter (MXFP4_FUSED False). The decode (integer ops, an
+    interleave and a reshape per tile) competes with the MMA for the SM; a lookup-table decode or
+    a warp-specialised producer is where the rest would come from.
 """
 import torch
 import triton
@@ -77,6 +80,15 @@ def _e2m1_twice(n):
 def _e8m0_half(s):
     """2^(s - 128) in fp32 from its bits (s int32 0..255; subnormal for s <= 1)."""
     return tl.where(s == 0, 1 << 21, tl.where(s == 1, 1 << 22, (s - 1) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode(byte, sc, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(ROWS, COLS) fp32 values of (ROWS, COLS/2) bytes and their (ROWS, COLS/32) e8m0 scales."""
+    byte = byte.to(tl.int32)
+    vals = tl.interleave(_e2m1_twice(byte & 0x0F), _e2m1_twice(byte >> 4))          # (ROWS, COLS)
+    vals = tl.reshape(vals, (ROWS, COLS // 32, 32)) * _e8m0_half(sc.to(tl.int32))[:, :, None]
+    return tl.reshape(vals, (ROWS, COLS))
 
 
 @triton.jit
@@ -133,18 +145,24 @@ def _gmm_mxfp4_kernel(
         kk = k0 + rk
         k_ok = kk < Kd
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # w[e]^T tile (BK, BN), element (k, n) = Wd[e, n, k] (PACK_K) or Wd[e, k, n]: row a, packed column b
-        if PACK_K:
-            ra = rn[None, :]
-            rb = kk[:, None]
-        else:
-            ra = kk[:, None]
-            rb = rn[None, :]
-        wmask = k_ok[:, None] & n_ok[None, :]
-        byte = tl.load(q_e + ra * stride_qa + (rb >> 1), mask=wmask, other=0).to(tl.int32)
-        sc = tl.load(s_e + ra * stride_sa + (rb >> 5), mask=wmask, other=127).to(tl.int32)
-        nib = (byte >> ((rb & 1) * 4)) & 0x0F
-        wt = (_e2m1_twice(nib) * _e8m0_half(sc)).to(x_ptr.dtype.element_ty)
+        # w[e]^T tile (BK, BN), element (k, n) = Wd[e, n, k] (PACK_K) or Wd[e, k, n]: read as tiles of
+        # whole bytes and scales along the packed dim (coalesced), decoded and scaled in registers
+        if PACK_K:                          # rows rn of Wd, packed columns k0 .. k0+BK: (BN, BK), transposed
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            rs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            byte = tl.load(q_e + rn[:, None] * stride_qa + rb[None, :],
+                           mask=n_ok[:, None] & (rb < Kd // 2)[None, :], other=0)
+            sc = tl.load(s_e + rn[:, None] * stride_sa + rs[None, :],
+                         mask=n_ok[:, None] & (rs < Kd // 32)[None, :], other=127)
+            wt = tl.trans(_decode(byte, sc, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
+        else:                               # rows kk of Wd, packed columns rn: (BK, BN)
+            rb = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            rs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            byte = tl.load(q_e + kk[:, None] * stride_qa + rb[None, :],
+                           mask=k_ok[:, None] & (rb < O // 2)[None, :], other=0)
+            sc = tl.load(s_e + kk[:, None] * stride_sa + rs[None, :],
+                         mask=k_ok[:, None] & (rs < O // 32)[None, :], other=127)
+            wt = _decode(byte, sc, BLOCK_K, BLOCK_N).to(x_ptr.dtype.element_ty)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     if LORA:                                # + scale * xa[p] b[e]^T, its own fp32 sum (as gmm)
@@ -215,6 +233,7 @@ def gmm_mxfp4(y, x, blocks, scales, offsets, *, transpose=False, gather=None, ga
     if P == 0 or O == 0:
         return
     BM, BN, BK, warps, stages = _config(triton.cdiv(P, E), O, Kd, x.dtype, dev)
+    BN, BK = max(BN, 32), max(BK, 32)  # whole 32-value blocks along the packed dim of a tile
     if BK * x.stride(1) >= 2**31:
         raise ValueError("gmm_mxfp4: K-stride too large for int32 pointer steps (call .contiguous())")
     tiles_m = (P + min(E, P) * (BM - 1)) // BM

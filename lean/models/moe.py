@@ -96,8 +96,8 @@ def _experts(w, cfg):
 # MXFP4 experts: True runs gmm_mxfp4 (the weight dequantised in the GEMM's tile loads, no copy);
 # False dequantises the GEMM's weight into a transient (E, out, in) buffer in x's dtype first
 # (mxfp4_dequant, ~0.4 ms at gpt-oss-20b's gate_up) and runs gmm on it. Measured on the H100
-# (gpt-oss-20b, 8192 tokens, BENCHMARKS.md): gmm_mxfp4's per-element byte and scale loads make it
-# 7-11x slower than gmm, so the transient buffer (one GEMM's weight: 1.0 GB at gate_up, priced by
+# (gpt-oss-20b, 8192 tokens, BENCHMARKS.md): gmm_mxfp4 runs at 0.25-0.31x of gmm on a bf16 weight,
+# dequantise + gmm at 0.79-0.84x, so the transient buffer (one GEMM's weight: 1.0 GB at gate_up, priced by
 # the planner as "wq_gu" / "wq_d") is the default until its tile decode is reworked; both paths are tested.
 MXFP4_FUSED = False
 

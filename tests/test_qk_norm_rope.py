@@ -144,9 +144,13 @@ def test_close_to_reference(dtype, N, H, KVH, D):
                                             ("k", k_pre, w_k, dk, k, rstd_k, dk_pre)):
         out_ref, rstd_ref, dx_ref = ref(x, w, dout, torch.float64)
         out_low, _, dx_low = ref(x, w, dout, dtype) if low else (None, None, None)
-        assert_close_rule(out, out_ref, out_low, name=name)
+        # the small atol: one unit of the 16-bit result's last place at max|ref|. Both lean and torch
+        # round the normed value before RoPE; over the 448 elements of the CPU case torch's own max
+        # error can land at half an ulp while lean's lands at one, so 2x torch alone is a coin toss there.
+        ulp = lambda r: torch.finfo(dtype).eps * r.abs().max().item() if low else 0.0   # noqa: E731
+        assert_close_rule(out, out_ref, out_low, atol=ulp(out_ref), name=name)
         assert_close_rule(rstd, rstd_ref, name=f"rstd_{name}")
-        assert_close_rule(dx, dx_ref, dx_low, name=f"d{name}_pre")
+        assert_close_rule(dx, dx_ref, dx_low, atol=ulp(dx_ref), name=f"d{name}_pre")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -213,11 +213,14 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
 _ELEMS_PER_PROGRAM = 8192
 _NUM_WARPS = 4
 # Under the interpreter: about four token blocks per call (odd N leaves a tail; 4 tokens at least);
-# for model-sized calls (>= 2^18 elements in all; the tests' stay below) one token block, up to 2^18
-# elements per tile (tile_row per token): the interpreter's cost is ~2.5 ms per program (SmolLM2 q
-# and k, 497 tokens, fp32, 1 core: 139 ms at 128 tokens per block, 52 ms at 512).
+# for model-sized calls (>= 2^18 elements in all, or a batch of 128+ tokens; most of the tests' stay
+# below both) one token block, up to 2^18 elements per tile (tile_row per token): the interpreter's
+# cost is ~2.5 ms per program (SmolLM2 q and k, 497 tokens, fp32, 1 core: 139 ms at 128 tokens per
+# block, 52 ms at 512). lean-train's CPU default (SmolLM2, 9/3 heads: BLOCK_H 1, 160-token steps)
+# ran 4-5 token blocks x 12 head blocks a call: 18.4 of a 128-token forward_backward's 110 s; one
+# token block: 4.5 s.
 def _interpret_block_n(N, elems, tile_row):
-    if elems >= 2**18:
+    if elems >= 2**18 or N >= 128:
         return max(1, min(triton.next_power_of_2(N), 2**18 // tile_row))
     return max(4, min(64, triton.next_power_of_2(triton.cdiv(N, 4))))
 

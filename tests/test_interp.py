@@ -1,0 +1,77 @@
+"""lean/kernels/_interp.py: the interpreter without its per-device-call re-patching computes the same
+bits, undoes every swap when a launch ends, and skips the device calls' swaps."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.util import ON_GPU
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="the patch is for Triton's CPU interpreter")
+
+# attention forward and backward (helpers _load_rows, _fwd_step, tl.sum, tl.zeros, ... inside) and rope
+SCRIPT = r"""
+import sys, torch
+from lean.kernels import _interp
+from lean.kernels.attention import attention_bwd, attention_fwd
+from lean.kernels.rope import rope_fwd
+g = torch.Generator().manual_seed(int(sys.argv[1]))
+N, H, KVH, D = 45, 4, 2, 32
+q, k, v, do = (torch.randn(N, h, D, generator=g) for h in (H, KVH, KVH, H))
+cu = torch.tensor([0, 1, 20, 45], dtype=torch.int32)
+o, lse = torch.empty_like(q), torch.empty(H, N)
+attention_fwd(o, lse, q, k, v, cu, 25, D ** -0.5)
+dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(H, N)
+attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, 25, D ** -0.5)
+cos, sin = torch.rand(N, D // 2, generator=g), torch.rand(N, D // 2, generator=g)
+rope_fwd(q, k, cos, sin)
+torch.save({"applied": _interp._applied, "out": [o, lse, dq, dk, dv, q, k]}, sys.argv[2])
+"""
+
+
+def _run(tmp_path, patch, seed):
+    path = tmp_path / f"out{patch}.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1", LEAN_INTERP_PATCH=patch)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(seed), str(path)], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(path)
+
+
+def test_same_bits_with_and_without(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    on, off = _run(tmp_path, "1", seed), _run(tmp_path, "0", seed)
+    assert on["applied"] and not off["applied"]
+    for i, (a, b) in enumerate(zip(on["out"], off["out"])):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"output {i} differs"
+
+
+def test_builtins_restored_and_device_calls_skipped(monkeypatch):
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    from lean.kernels import _interp
+    from lean.kernels.attention import attention_fwd
+
+    assert _interp.patch_device_calls() and interp._patch_lang.__module__ == _interp.__name__
+    swaps = []
+    original = interp._patch_builtin
+    monkeypatch.setattr(interp, "_patch_builtin", lambda *a: swaps.append(a[0]) or original(*a))
+    calls = []
+    original_call = interp.InterpretedFunction.__call__
+    monkeypatch.setattr(interp.InterpretedFunction, "__call__",
+                        lambda self, *a, **k: calls.append(self.fn.__name__) or original_call(self, *a, **k))
+    N, H, D = 40, 2, 16
+    q = torch.randn(N, H, D)
+    o, lse = torch.empty_like(q), torch.empty(H, N)
+    attention_fwd(o, lse, q, q, q, torch.tensor([0, 17, 40], dtype=torch.int32), 23, 0.25)
+    assert len(calls) >= 20, calls                         # device functions called inside the kernel
+    # the launch swaps tl (tl, tl.tensor, tl.math, descriptors) and tl.core once; no device call swaps again
+    assert len(swaps) <= 8, f"{len(swaps)} swaps for {len(calls)} device calls"
+    assert _interp._STATE["scope"] is None
+    with pytest.raises(ValueError, match="triton.jit"):   # the real builtin is back: it needs a JIT context
+        tl.arange(0, 4)
+    with pytest.raises(ValueError, match="triton.jit"):
+        tl.core.full((4,), 0, tl.float32)

@@ -164,15 +164,16 @@ def _rope_table_kernel(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, attention_scalin
 
 
 @triton.jit
-def _rope_rotate_heads(x_ptr, cos, sin, offs_n, mask_nd, h0, stride_n, stride_h,
+def _rope_rotate_heads(x_ptr, cos, sin, offs_n, mask_nd, h0, n_heads, stride_n, stride_h,
                        D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """Rotate heads h0 .. h0+BLOCK_H-1 (all real: BLOCK_H divides the head count) of BLOCK_N tokens."""
+    """Rotate heads h0 .. h0+BLOCK_H-1 of BLOCK_N tokens; heads from n_heads on are masked (the GPU
+    launches take a BLOCK_H that divides the head counts: all real; the interpreter one block of all)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D2)
     ptr1 = (x_ptr + offs_n[:, None, None].to(tl.int64) * stride_n
             + offs_h[None, :, None].to(tl.int64) * stride_h + offs_d[None, None, :])  # (BLOCK_N, BLOCK_H, BLOCK_D2)
     ptr2 = ptr1 + D2
-    mask = mask_nd[:, None, :]
+    mask = mask_nd[:, None, :] & (offs_h < n_heads)[None, :, None]
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
     tl.store(ptr1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
@@ -181,7 +182,7 @@ def _rope_rotate_heads(x_ptr, cos, sin, offs_n, mask_nd, h0, stride_n, stride_h,
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
-                 N, n_q_blocks, n_head_blocks, stride_qn, stride_qh, stride_kn, stride_kh,
+                 N, H, KVH, n_q_blocks, n_head_blocks, stride_qn, stride_qh, stride_kn, stride_kh,
                  D2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
                  BACKWARD: tl.constexpr):
     # 1-D grid, head blocks fastest: neighbouring programs share one (BLOCK_N, D2) cos/sin tile in L2,
@@ -199,10 +200,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
     if BACKWARD:
         sin = -sin  # the transpose of a rotation is the rotation by the opposite angle
     if pid_h < n_q_blocks:
-        _rope_rotate_heads(q_ptr, cos, sin, offs_n, mask_nd, pid_h * BLOCK_H, stride_qn, stride_qh,
+        _rope_rotate_heads(q_ptr, cos, sin, offs_n, mask_nd, pid_h * BLOCK_H, H, stride_qn, stride_qh,
                            D2, BLOCK_H, BLOCK_D2)
     else:
-        _rope_rotate_heads(k_ptr, cos, sin, offs_n, mask_nd, (pid_h - n_q_blocks) * BLOCK_H, stride_kn,
+        _rope_rotate_heads(k_ptr, cos, sin, offs_n, mask_nd, (pid_h - n_q_blocks) * BLOCK_H, KVH, stride_kn,
                            stride_kh, D2, BLOCK_H, BLOCK_D2)
 
 
@@ -218,7 +219,9 @@ _NUM_WARPS = 4
 # cost is ~2.5 ms per program (SmolLM2 q and k, 497 tokens, fp32, 1 core: 139 ms at 128 tokens per
 # block, 52 ms at 512). lean-train's CPU default (SmolLM2, 9/3 heads: BLOCK_H 1, 160-token steps)
 # ran 4-5 token blocks x 12 head blocks a call: 18.4 of a 128-token forward_backward's 110 s; one
-# token block: 4.5 s.
+# token block: 4.5 s. The interpreter also takes every q head into one head block and every k head
+# into another (masked past the count): 12 -> 2 programs a token block at SmolLM2's 9/3 heads; its
+# 3-token sample (prefill + 2 decode steps, 90 launches) 10.0 -> 2.1 s of rope.
 def _interpret_block_n(N, elems, tile_row):
     if elems >= 2**18 or N >= 128:
         return max(1, min(triton.next_power_of_2(N), 2**18 // tile_row))
@@ -271,18 +274,19 @@ def _launch_rotate(q, k, cos, sin, backward):
         return
     D2 = D // 2
     BLOCK_D2 = triton.next_power_of_2(D2)
-    g = math.gcd(H, KVH)
-    BLOCK_H = min(8, g & -g)  # largest power of two dividing H and KVH (<= 8): no masked heads
-    if _interpreting():
+    if _interpreting():  # all q heads in one block, all k heads in another (masked past the count)
+        BLOCK_H = min(64, triton.next_power_of_2(max(H, KVH)))
         BLOCK_N = _interpret_block_n(N, N * (H + KVH) * D, BLOCK_H * BLOCK_D2)
     else:
+        g = math.gcd(H, KVH)
+        BLOCK_H = min(8, g & -g)  # largest power of two dividing H and KVH (<= 8): no masked heads
         BLOCK_N = max(1, _ELEMS_PER_PROGRAM // (2 * BLOCK_D2 * BLOCK_H))  # a power of two: all factors are
-    n_q_blocks = H // BLOCK_H
-    n_head_blocks = n_q_blocks + KVH // BLOCK_H
+    n_q_blocks = triton.cdiv(H, BLOCK_H)
+    n_head_blocks = n_q_blocks + triton.cdiv(KVH, BLOCK_H)
     grid = (triton.cdiv(N, BLOCK_N) * n_head_blocks,)
     _rope_kernel[grid](
         q, k, cos, sin,
-        N, n_q_blocks, n_head_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        N, H, KVH, n_q_blocks, n_head_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         D2=D2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, BLOCK_D2=BLOCK_D2, BACKWARD=backward,
         num_warps=_NUM_WARPS)
 

@@ -381,11 +381,15 @@ def test_cli_on_the_cpu_runs_numpys_blas_on_one_thread(tiny, tmp_path, monkeypat
     assert interp.blas_threads() == 1
 
 
-def test_report_beside_the_training_equals_the_one_in_process(tiny, tmp_path):
+def test_report_beside_the_training_equals_the_one_in_process(tiny, tmp_path, monkeypatch):
     """report_process=True: the untrained model's held-out loss and sample, and the trained
-    adapter's sample, come from a second process, with the same values and records in order."""
+    adapter's sample, come from a second process, with the same values and records in order; the
+    adapter's sample process is started beside the last step and waits for the adapter."""
     model, data, _ = tiny
-    runs = {}
+    runs, started = {}, []
+    start = T.ReportJob.start.__func__
+    monkeypatch.setattr(T.ReportJob, "start", classmethod(
+        lambda cls, spec, wait=False: started.append((bool(spec.get("adapter")), wait)) or start(cls, spec, wait)))
     for beside in (False, True):
         cfg = T.TrainConfig(model=str(model), data=str(data), out_dir=str(tmp_path / str(beside)), max_tokens=64,
                             steps=2, warmup_steps=1, r=2, targets=["q"], sample_tokens=2, sample_prompt="the cat",
@@ -397,6 +401,7 @@ def test_report_beside_the_training_equals_the_one_in_process(tiny, tmp_path):
     assert runs[True] == runs[False]
     assert [(k, s) for k, s, _, _ in runs[True][1]] == [("sample", 0), ("eval", 0), ("train", 1), ("train", 2),
                                                         ("eval", 2), ("sample", 2)]
+    assert started == [(False, False), (True, True)]  # the report before; the adapter's sample, waiting
 
 
 def test_report_goes_beside_the_training_where_it_pays(tiny, monkeypatch):

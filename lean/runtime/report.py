@@ -4,12 +4,16 @@ the trained adapter's sample, in a second process on a second core.
     job = ReportJob.start(spec)          # spawned; None where it does not pay (report_in_process)
     ... train step 1 (the parent) ...
     got = job.result()                   # {"eval": (loss, targets) or None, "sample": text or None}
+    job = ReportJob.start(spec, wait=True)   # the adapter's sample: loads the model now (beside the
+    ... the last step, the adapter saved ...  #   last step), reads the adapter at go()
+    job.go(); got = job.result()
 
 Without a GPU the kernels run in Triton's interpreter: single-threaded Python, one core. The report
 before training (a held-out evaluation and a greedy sample, ~2 minutes for SmolLM2-135M on a slow
 2-core machine) needs only the untrained model, whose LoRA B is zero: a second process loads the
-model and computes it while the first trains step 1. After training the second process loads the
-saved adapter and samples while the first evaluates. Both use the same kernels on the same
+model and computes it while the first trains step 1. The second process of the adapter's sample
+starts beside the last step and loads the model there (SmolLM2: ~6 s off the run's end); once the
+adapter is saved it reads it and samples while the first evaluates. Both use the same kernels on the same
 inputs with one BLAS thread each (interp.py), so the numbers equal the in-process ones bit for bit.
 The child ignores Ctrl-C (the parent handles it and ends the child) and reports an error as text
 (TrainError in the parent). spec: model_dir, dtype, lora (LoRA.init keywords) or adapter (a
@@ -44,16 +48,29 @@ class ReportJob:
     """A spawned process computing one report (see the module docstring)."""
 
     def __init__(self, process, conn):
-        self.process, self.conn, self.got = process, conn, None
+        self.process, self.conn, self.got, self.go_conn = process, conn, None, None
 
     @classmethod
-    def start(cls, spec: dict) -> "ReportJob":
+    def start(cls, spec: dict, wait: bool = False) -> "ReportJob":
+        """wait: the process loads the model, then waits for go() before it reads spec's adapter (started
+        beside the last training step, so that its start-up and model load are not on the run's end)."""
         ctx = multiprocessing.get_context("spawn")  # not fork: torch's thread pools do not survive it
         parent, child = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_child, args=(child, spec), name="lean-train-report", daemon=True)
+        go_recv, go_send = ctx.Pipe(duplex=False) if wait else (None, None)
+        process = ctx.Process(target=_child, args=(child, spec, go_recv), name="lean-train-report", daemon=True)
         process.start()
         child.close()
-        return cls(process, parent)
+        job = cls(process, parent)
+        job.go_conn = go_send
+        return job
+
+    def go(self):
+        """A waiting job (start(wait=True)): its adapter is written; compute now."""
+        if self.go_conn is not None:
+            try:
+                self.go_conn.send(True)
+            except OSError:  # the process is gone: result() reports it
+                pass
 
     def result(self) -> dict:
         """The report, waiting for it; TrainError if the process failed."""
@@ -75,12 +92,14 @@ class ReportJob:
             self.process.terminate()
         self.process.join()
         self.conn.close()
+        if self.go_conn is not None:
+            self.go_conn.close()
 
 
-def _child(conn, spec):
+def _child(conn, spec, go=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it ends this process
     try:
-        result = ("ok", _compute(spec))
+        result = ("ok", _compute(spec, go))
     except BaseException as e:  # noqa: BLE001  (sent to the parent, which raises it)
         result = ("error", f"{type(e).__name__}: {e}")
     try:
@@ -89,7 +108,7 @@ def _child(conn, spec):
         pass
 
 
-def _compute(spec) -> dict:
+def _compute(spec, go=None) -> dict:
     import torch
 
     from .batch import pack
@@ -103,6 +122,8 @@ def _compute(spec) -> dict:
 
     one_blas_thread()
     model = load_model(spec["model_dir"], dtype=getattr(torch, spec["dtype"]), device="cpu")
+    if go is not None:  # started beside the last step: the adapter exists once the parent says so
+        go.recv()
     lora = LoRA.load(model, spec["adapter"]) if spec.get("adapter") else LoRA.init(model, **spec["lora"])
     got = {"eval": None, "sample": None}
     if spec.get("heldout"):

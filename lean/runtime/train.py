@@ -271,7 +271,7 @@ def _train(cfg, out) -> dict:
         f"--heldout-tokens {cfg.heldout_tokens:,}); LoRA r={cfg.r} on {', '.join(lora.targets)} "
         f"({lora.params.numel():,} parameters)", flush=True)
     beside = report_in_process(cfg, device, model)  # the report on a second core (report.py)
-    jobs = []
+    jobs, after, finished = [], [], False
     with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
         try:
             before = None
@@ -287,21 +287,31 @@ def _train(cfg, out) -> dict:
                     jobs.append(job)
                 before = Before(cfg, model, lora, tok, eval_batches if want["eval"] else [], metrics, job,
                                 sample=want["sample"])
+            def last_step():  # the adapter's sample beside the final evaluation: its process starts now
+                if beside and cfg.sample_tokens > 0 and not (before is not None and before.job is not None):
+                    after.append(ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device,
+                                                              adapter=out / "adapter"), wait=True))
+                    jobs.append(after[0])
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
-                           fingerprint, before)
+                           fingerprint, before, last_step)
+            finished = True
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
         except KeyboardInterrupt as e:
             if e.args:  # the loop's own message
                 raise
             raise KeyboardInterrupt(f"interrupted before step {step + 1} was trained: {kept(out)}") from None
-        finally:
+        finally:  # the report before training is done; the final sample's process lives on if training did
             for job in jobs:
-                job.close()
+                if job not in after or not finished:
+                    job.close()
+        jobs = list(after)
         step = result["step"]
         try:
-            job = None
-            if beside and cfg.sample_tokens > 0:  # the adapter's sample beside the final evaluation
+            job = after[0] if after else None
+            if job is not None:
+                job.go()  # the adapter is saved
+            elif beside and cfg.sample_tokens > 0:  # the adapter's sample beside the final evaluation
                 job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device, adapter=out / "adapter"))
                 jobs.append(job)
             if eval_batches:
@@ -468,7 +478,9 @@ def _check_finite(out, step, lr, **values):
 
 
 def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None,
-          before=None):
+          before=None, last_step=None):
+    """The training steps from `step` to cfg.steps, the adapter saved at the end. last_step: called
+    once as the last step starts (train() starts the final sample's process there)."""
     out = Path(cfg.out_dir)
     graph = _step_graph(cfg, model, lora, opt, device, plan)
     eval_loss = eval_before = None
@@ -483,6 +495,8 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
     try:
         while step < cfg.steps:
             t0 = time.time()
+            if step == cfg.steps - 1 and last_step is not None:
+                last_step()
             docs = [stream.next() for _ in range(cfg.grad_accum)]
             fixed = _graph_batch(graph, docs[0], vocab) if graph is not None else None
             if fixed is None and graph is not None and plan is not None:

@@ -7,7 +7,8 @@
     python tools/bench.py step                     # one LoRA step: lean and the peers (bench_step.py)
     python tools/bench.py step --smoke             # CPU: the step harness on tiny configs
     python tools/bench.py step --graph [--budget G] --peers ""   # lean and lean+graph only
-    python tools/bench.py step --graph --models qwen3-30b-a3b --layouts packed [--layers N]   # MoE, cut
+    python tools/bench.py step --graph --models qwen3-30b-a3b --layouts packed [--layers N]   # MoE, cut to 8
+    python tools/bench.py step --graph --models gpt-oss-20b --lean-attn-only   # + lean with q,k,v,o LoRA only
     python tools/bench.py step --graph --portable  # lean's rows on the Hopper and the portable path too
     python tools/bench.py step --profile [--graph]  # lean's GPU time per kernel family (bench_profile.py)
 
@@ -1136,11 +1137,13 @@ def cmd_kernels(args):
 
 def cmd_profile(models, layouts, args):
     """bench_profile.py for each (model, layout), each in its own process (its own memory and
-    caches); --json PATH writes PATH with _<model>_<layout> before the extension."""
+    caches; --layers N cuts the models as bench step does); --json PATH writes PATH with
+    _<model>_<layout> before the extension."""
     import subprocess
 
     if args.smoke:
         raise SystemExit("bench step --profile needs a CUDA GPU: --smoke checks the step harness only")
+    env = dict(os.environ, **({"BENCH_STEP_LAYERS": str(args.layers)} if args.layers else {}))  # bench_step.LAYERS_ENV
     rc = 0
     for m in models:
         for layout in layouts:
@@ -1152,7 +1155,7 @@ def cmd_profile(models, layouts, args):
                 stem, ext = os.path.splitext(args.json)
                 cmd += ["--json", f"{stem}_{m}_{layout}{ext or '.json'}"]
             print(f"# bench profile {m} {layout}", flush=True)
-            rc = subprocess.run(cmd, timeout=args.timeout).returncode or rc
+            rc = subprocess.run(cmd, timeout=args.timeout, env=env).returncode or rc
     if rc:
         raise SystemExit(f"bench step --profile: a profile process failed (exit {rc}; its traceback above)")
 
@@ -1165,12 +1168,16 @@ def main():
     k.add_argument("--json", help="write the rows to this path")
     k.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, no timings")
     st = sub.add_parser("step", help="one LoRA optimizer step over 8192 tokens: lean and its peers")
-    st.add_argument("--models", help="comma-separated, from qwen3-0.6b,llama-3.2-1b,qwen3-8b,qwen3-30b-a3b "
-                    "(default qwen3-0.6b,llama-3.2-1b; --smoke: qwen3-0.6b)")
-    st.add_argument("--layers", type=int, help="cut every model to its first N layers (default: all, but "
-                    "qwen3-30b-a3b 16 of 48: bench_step.DEFAULT_LAYERS)")
+    st.add_argument("--models", help="comma-separated, from qwen3-0.6b,llama-3.2-1b,qwen3-8b,qwen3-30b-a3b,"
+                    "gpt-oss-20b,gpt-oss-20b-mxfp4 ... (lean/models/presets.py; default qwen3-0.6b,llama-3.2-1b; "
+                    "--smoke: qwen3-0.6b)")
+    st.add_argument("--layers", type=int, help="cut every model to its first N layers, every framework alike "
+                    "(default: all, but the MoE models 8: bench_step.DEFAULT_LAYERS)")
     st.add_argument("--layouts", help="packed,padded (default both; --smoke: packed)")
-    st.add_argument("--peers", default="hf,liger,unsloth", help="comma-separated peers run beside lean")
+    st.add_argument("--peers", default="hf,hf-default,liger,unsloth", help="comma-separated peers run beside lean "
+                    "(hf-default: HF+PEFT with transformers' default experts implementation, MoE models only)")
+    st.add_argument("--lean-attn-only", action="store_true", help="also lean's rows with LoRA on q,k,v,o only "
+                    "(lean attn-LoRA; they run by themselves after a peer row that came back attention-only on MoE)")
     st.add_argument("--steps", type=int, help="timed steps after the warm-up (default 8; --smoke: 1)")
     st.add_argument("--timeout", type=int, default=300, help="seconds one row's process may take")
     st.add_argument("--json", help="write the rows to this path")
@@ -1197,7 +1204,7 @@ def main():
         steps = args.steps or (1 if args.smoke else 8)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
                         smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable,
-                        n_layers=args.layers)
+                        n_layers=args.layers, lean_attn=args.lean_attn_only)
         return
     cmd_kernels(args)
 

@@ -10,7 +10,9 @@ travel in two calls, and the machine keeps /tmp/site between calls while it stay
 The second alone still runs lean, HF+PEFT and Liger (.whl/b carries liger-kernel); Unsloth then
 prints "unsloth not installed: skipped". A further call on the warm machine needs no carry, e.g.
 `tools/gpu_check.sh step --models qwen3-8b`; if the default run nears the 10-minute cap, split it
-the same way (`step --models qwen3-0.6b`, then `step --models llama-3.2-1b`).
+the same way (`step --models qwen3-0.6b`, then `step --models llama-3.2-1b`). The MoE models' rows
+(cut to 8 layers) take one call per model and layout, e.g. `tools/gpu_check.sh step --graph --models
+qwen3-30b-a3b --layouts padded`, the peers split off (`--peers unsloth`) if that nears the cap.
 On a CPU: `python tools/bench.py step --smoke` (tiny configs, the interpreter, no timing claims).
 
 The work, the same in every row (../shared/PEERS.md): a random-init bf16 model of the named real
@@ -18,8 +20,9 @@ config; LoRA r=16 alpha=32 dropout=0 on q,k,v,o,gate,up,down; loss on every toke
 clipping at 1.0 and AdamW on the LoRA parameters (lean.AdamW for lean, torch's fused AdamW for
 the peers); no checkpointing. Layouts: `packed` = 1 x 8192, document lengths exponential with
 mean 512, at least 16 (seeded), position_ids restarting per document (Unsloth also gets
-packed_seq_lengths); `padded` = 4 x 2048 full rows. Frameworks: lean, HF+PEFT, HF+PEFT+Liger
-(liger-kernel 0.8.5), Unsloth 2026.10.9 (tools/bench_peers.py builds and steps each).
+packed_seq_lengths); `padded` = 4 x 2048 full rows. Frameworks: lean, HF+PEFT, HF+PEFT (default
+experts) on MoE models, HF+PEFT+Liger (liger-kernel 0.8.5), Unsloth 2026.10.9 (tools/bench_peers.py
+builds and steps each); lean attn-LoRA (q,k,v,o only) with --lean-attn-only or when a peer needs it.
 
 How a number is taken: each (framework, model, layout) runs in its own process (its peak memory
 is its own, torch.cuda.max_memory_allocated from a reset at process start; Unsloth's global
@@ -29,7 +32,8 @@ step) after 3 warm-up steps (Unsloth's compile warm-up falls in them). MFU = use
 (time x the bf16 matmul rate measured once by this process, as `bench.py kernels` does); useful
 FLOPs per token = 4 x matmul params (lm_head included) + causal attention (forward once, backward
 twice); recompute is not counted. Ratios: lean tok/s / peer tok/s (> 1: lean faster) and lean
-peak / peer peak (< 1: lean smaller), from lean's fastest row of the same model and layout.
+peak / peer peak (< 1: lean smaller), from lean's fastest row of the same model, layout and LoRA
+placement (row key `lora`).
 
 lean's rows (the child runs them in one process, eager first):
   lean        the eager step: lora.zero_grad(); lean.forward_backward; opt.step(), on batches packed
@@ -48,11 +52,25 @@ lean's rows (the child runs them in one process, eager first):
               gradient checkpointing (use_gradient_checkpointing="unsloth"), PEERS.md's memory-bound
               setting; HF and Liger ignore it.
 
-MoE models (qwen3-30b-a3b): run cut to DEFAULT_LAYERS (16 of 48 layers; `--layers N` sets another
-cut, for every model named), the note says so; the LoRA targets are the attention's q,k,v,o and
-each expert's gate_up and down (lean's "all"); useful FLOPs count the active parameters (router
-and k experts); --budget plans them like the dense rows (MoE plans not yet measured on a GPU); the peers are
-skipped with the reason (MOE_PEER_SKIP).
+MoE models (qwen3-30b-a3b, gpt-oss-20b, gpt-oss-20b-mxfp4): every framework runs the model cut to
+the same DEFAULT_LAYERS (8 layers of each: the issue's truncated rows, where Unsloth and HF+PEFT fit
+one H100 without checkpointing; `--layers N` sets another cut, for every model and framework named);
+the note says "8 of 48 layers". LoRA r=16 alpha=32 goes on the attention's q,k,v,o and on every
+expert's fused weights, each framework its own way: lean's "all" (gate_up and down per expert);
+HF+PEFT (and Liger) with PEFT target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+(tools/bench_peers.py says how PEFT ranks gate_up); Unsloth with the 7 names, which it maps onto
+the experts itself ("Unsloth's MoE LoRA"). Each peer row reports where its LoRA landed (the child
+reads the trainable parameters' names; key `lora`: "all" or "attn"). HF+PEFT runs transformers'
+`grouped_mm` experts (its fastest), and `hf-default` (HF+PEFT (default experts), MoE models only)
+builds with transformers' default, which 5.17 resolves to grouped_mm as well (the note names what it
+resolved to). A peer row that came back with attention-only LoRA is compared with lean's attention-only
+row (`lean-attn`, "lean attn-LoRA": lean.LoRA targets q,k,v,o), which then runs for that model and
+layout if `--lean-attn-only` did not already add it. GPT-OSS on HF: flex_attention (transformers has
+no sdpa path for its sinks), packed rows masked per document by transformers' own mask functions;
+gpt-oss-20b-mxfp4's peers train bf16 experts (HF fine-tunes MXFP4 dequantised; the note says so),
+lean its MXFP4 ones. Useful FLOPs count the active parameters (router, k experts, windowed attention
+on GPT-OSS's sliding layers); --budget plans them like the dense rows (MoE plans not yet measured
+on a GPU).
 
 Errors: a peer that is not importable is skipped with a note, never faked; a row whose process
 fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
@@ -77,8 +95,13 @@ ROOT = os.path.dirname(TOOLS)
 TOKENS = 8192  # per optimizer step
 SMOKE_TOKENS = 64
 WARMUP = 3
-FRAMEWORKS = {"lean": "lean", "hf": "HF+PEFT", "liger": "HF+PEFT+Liger", "unsloth": "Unsloth"}
-PEER_MODULE = {"hf": "peft", "liger": "liger_kernel", "unsloth": "unsloth"}  # importable = installed
+FRAMEWORKS = {"lean": "lean", "lean-attn": "lean attn-LoRA", "hf": "HF+PEFT", "hf-default": "HF+PEFT (default experts)",
+              "liger": "HF+PEFT+Liger", "unsloth": "Unsloth"}
+# importable = installed
+PEER_MODULE = {"hf": "peft", "hf-default": "peft", "liger": "liger_kernel", "unsloth": "unsloth"}
+MOE_ONLY = ("hf-default",)  # a dense model has no experts implementation: these peers run on MoE models only
+ATTN_SUFFIX = " attn-LoRA"  # lean's rows with LoRA on q,k,v,o only (framework lean-attn)
+PEERS = ("hf", "hf-default", "liger", "unsloth")  # bench.py step's default --peers
 
 # HF config.json values (read by lean's config_from_hf and by transformers' AutoConfig).
 CONFIGS = dict(PRESETS)
@@ -90,15 +113,18 @@ _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 _TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # and E, k, F of one expert
 _TINY_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8)  # GPT-OSS
 # Models cut to their first N layers by default (--layers N overrides, for every model named; the row's
-# note says "N of L layers"). Qwen3-30B-A3B's 48 layers do not fit one 80 GB H100 without offload.
-# Per layer, bf16 and 8192 tokens: frozen weights 1.25 GB
-# (experts 128 x 3 x 2048 x 768 x 2 B = 1.21 GB, attention 0.04), expert LoRA r 16 (gate_up rank 32)
-# 20.4M parameters x 18 B (fp32 param, grad, AdamW m and v; bf16 copy) = 0.37 GB, saved activations
-# ~0.5 GB (attention rows 0.3, the expert rows h (P, 2F) 0.2): ~2.1 GB, plus ~2.5 GB for the untied
-# embedding and lm_head and the step's transients. 16 layers: ~36 GB peak for the eager row; the graph
-# row's private pool holds a second set of activations and its bit-equality check copies the LoRA and
-# AdamW state, ~50 GB in all. 24 layers would be ~75 GB in that check: too near the 80 GB.
-DEFAULT_LAYERS = {"qwen3-30b-a3b": 16}
+# note says "N of L layers"): the MoE models, to the count at which every framework fits one 80 GB
+# H100 without checkpointing, the same for all of them (the issue's truncated rows; PEERS.md measured
+# Unsloth and HF+PEFT on Qwen3-30B-A3B at 8 layers: 20.7-22.6 and 36.8 GiB).
+# Qwen3-30B-A3B, per layer, bf16 and 8192 tokens, lean: frozen weights 1.25 GB (experts 128 x 3 x 2048
+# x 768 x 2 B = 1.21 GB, attention 0.04), expert LoRA r 16 (gate_up rank 32) 20.4M parameters x 18 B
+# (fp32 param, grad, AdamW m and v; bf16 copy) = 0.37 GB, saved activations ~0.5 GB: ~2.1 GB, plus ~2.5
+# GB for the untied embedding and lm_head and the step's transients: ~19 GB at 8 layers for the eager
+# row, ~26 GB with the graph row's private pool and its check's copies of the LoRA and AdamW state.
+# GPT-OSS-20B per layer: experts 32 x 3 x 2880^2 x 2 B = 1.59 GB in bf16 (0.42 GB as MXFP4), attention
+# 0.05 GB; embedding + lm_head 2 x 201088 x 2880 x 2 B = 2.3 GB. HF+PEFT also keeps each layer's
+# W + s B A expert stack (PEFT's parametrisation, the experts' size again) for the backward.
+DEFAULT_LAYERS = {"qwen3-30b-a3b": 8, "gpt-oss-20b": 8, "gpt-oss-20b-mxfp4": 8}
 LAYERS_ENV = "BENCH_STEP_LAYERS"  # --layers N, seen by the row processes (bench_peers.py) too
 
 
@@ -112,6 +138,8 @@ def model_config(name, smoke=False):
         cfg.update(_TINY, **(_TINY_MOE if "num_experts" in cfg else {}),
                    **(_TINY_OSS if "num_local_experts" in cfg else {}))
     cfg["num_hidden_layers"] = min(cfg["num_hidden_layers"], layers(name) or cfg["num_hidden_layers"])
+    if "layer_types" in cfg:  # GPT-OSS: transformers' config checks one type per layer
+        cfg["layer_types"] = cfg["layer_types"][:cfg["num_hidden_layers"]]
     return cfg
 
 
@@ -122,7 +150,7 @@ def layers(name):
 
 
 def layers_note(name, smoke=False):
-    """'16 of 48 layers' when the bench cuts the model, else ''."""
+    """'8 of 48 layers' when the bench cuts the model, else ''."""
     full = {**CONFIGS[name], **(_TINY if smoke else {})}["num_hidden_layers"]
     n = model_config(name, smoke)["num_hidden_layers"]
     return f"{n} of {full} layers" if n < full else ""
@@ -206,14 +234,18 @@ def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
 MAX_DOCS = 64  # StepGraph's document slots: the layout's document count rounded up to a multiple of 64
 
 
-def lean_setup(name, layout, smoke=False):
+LEAN_TARGETS = {"lean": "all", "lean-attn": "q,k,v,o"}  # lean.LoRA.init's targets per lean framework key
+
+
+def lean_setup(name, layout, smoke=False, targets="all"):
     """Everything lean's row steps: (lean, model, lora, opt, docs, batches, device). docs: two
     batches of random token ids in the layout's document lengths; batches: them packed for the
-    eager step (lean.pack, shapes of the batch itself)."""
+    eager step (lean.pack, shapes of the batch itself). targets: lean.LoRA.init's ("all": q,k,v,o,
+    gate,up,down, an MoE layer's experts; "q,k,v,o": attention only)."""
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     lean, model = random_model(name, device, dtype, smoke)
-    lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=0.0, seed=0)
+    lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
     total = SMOKE_TOKENS if smoke else TOKENS
     rng = np.random.default_rng(1)
@@ -303,13 +335,14 @@ def run_lean_graph(lean, model, lora, opt, docs, warmup, steps, plan=None):
     return dict(ms=t * 1e3, loss=loss, peak_gib=peak / 2**30, equals_eager=same, max_docs=max_docs)
 
 
-def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, budget_gib=None):
-    """lean's row: {tokens, ms, loss, checkpointing, note, peak_gib, [graph]}. graph: also the
+def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, budget_gib=None, targets="all"):
+    """lean's row: {tokens, ms, loss, checkpointing, note, lora, peak_gib, [graph]}. targets: the LoRA
+    targets (LEAN_TARGETS; lora = "attn" for q,k,v,o, else "all"). graph: also the
     whole step from lean.StepGraph (the `graph` sub-row, its own peak). budget_gib: run under
     plan_for's activation plan for that VRAM budget (recompute / offload; flagged as checkpointing
     when any layer is not kept). smoke: fp32 on the CPU through the interpreter (TRITON_INTERPRET=1
     must be set before triton is imported); no graph there."""
-    lean, model, lora, opt, docs, batches, device = lean_setup(name, layout, smoke)
+    lean, model, lora, opt, docs, batches, device = lean_setup(name, layout, smoke, targets)
     cuda = device == "cuda"
     total = batches[0].n_tokens
     plan = lean_plan(model, lora, total, budget_gib)
@@ -321,7 +354,9 @@ def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, bud
         return loss / n
 
     t, loss = time_steps(step, warmup, steps, cuda)
-    row = dict(tokens=total, ms=t * 1e3, loss=loss, note=plan_note(plan),
+    attn = targets != "all"
+    row = dict(tokens=total, ms=t * 1e3, loss=loss, lora="attn" if attn else "all",
+               note=" ".join(filter(None, ["LoRA q,k,v,o only" * attn, plan_note(plan)])),
                checkpointing=plan is not None and any(m != "keep" for m in plan.modes))
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # since the process start
@@ -339,12 +374,12 @@ def _tail(text, n=15):
 
 def run_child(framework, model, layout, steps, warmup, smoke, graph, timeout, budget=None, env=None):
     """Start tools/bench_peers.py for one row; its last `ROW {json}` line, or an error row with
-    the tail of what it printed. graph and budget apply to lean's row only; env: extra variables
-    (LEAN_PORTABLE=1 for lean's portable rows)."""
+    the tail of what it printed. graph and budget apply to lean's rows only (lean, lean-attn); env:
+    extra variables (LEAN_PORTABLE=1 for lean's portable rows)."""
     cmd = [sys.executable, os.path.join(TOOLS, "bench_peers.py"), framework, model, layout,
            "--steps", str(steps), "--warmup", str(warmup)]
-    cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework == "lean")
-    if budget is not None and framework == "lean":
+    cmd += ["--smoke"] * smoke + ["--graph"] * (graph and framework in LEAN_TARGETS)
+    if budget is not None and framework in LEAN_TARGETS:
         cmd += ["--budget", str(budget)]
     if budget is not None and framework == "unsloth":  # the memory-bound row on both sides
         cmd += ["--checkpointing"]
@@ -385,13 +420,14 @@ def measure_matmul(smoke):
 
 
 def split_lean_row(raw, suffix=""):
-    """lean's child row -> [eager row, lean+graph row if measured] (the graph row shares tokens),
-    named "lean" and "lean+graph" with the suffix (" portable")."""
+    """lean's child row -> [eager row, lean+graph row if measured] (the graph row shares tokens and
+    the LoRA placement), named "lean" and "lean+graph" with the suffix (" portable", ATTN_SUFFIX)."""
     raw = dict(raw)
     g = raw.pop("graph", None)
     rows = [(raw, "lean" + suffix)]
     if g is not None:
         rows.append((dict(g, tokens=raw["tokens"], checkpointing=raw["checkpointing"], wall_s=raw.get("wall_s", 0),
+                          lora=raw.get("lora", "all"),
                           note=" ".join(filter(None, [raw.get("note", ""), f"max_docs {g['max_docs']}",
                                                       "bit-equal to eager" if g["equals_eager"]
                                                       else "NOT BIT-EQUAL TO EAGER"]))), "lean+graph" + suffix))
@@ -417,15 +453,22 @@ def finish_row(row, framework, model, layout, rate, smoke):
     return row
 
 
+def lora_scope(r):
+    """A row's LoRA placement: "attn" (q,k,v,o only) or "all" (the 7 projections; an MoE model's
+    attention and experts)."""
+    return r.get("lora") or "all"
+
+
 def fmt_table(rows):
-    """The table: one line per row; the ratio columns compare lean's fastest row of the same model
-    and layout (lean+graph where measured, else lean) with this row's peer. A row that did not run
-    says why after its first three cells; a row's note follows its cells."""
+    """The table: one line per row; the ratio columns compare lean's fastest row of the same model,
+    layout and LoRA placement (lean+graph where measured, else lean; a peer with attention-only LoRA
+    against lean's attn-LoRA rows) with this row's peer. A row that did not run says why after its
+    first three cells; a row's note follows its cells."""
     head = ["model", "layout", "framework", "tok/s", "MFU", "peak GiB", "lean/peer tok/s", "lean/peer peak"]
     lean = {}
     for r in rows:
-        if r["framework"] in ("lean", "lean+graph") and r["status"] == "ok":
-            key = (r["model"], r["layout"])
+        if r["framework"].startswith("lean") and not r["framework"].endswith(" portable") and r["status"] == "ok":
+            key = (r["model"], r["layout"], lora_scope(r))
             if key not in lean or r["tokens_per_s"] > lean[key]["tokens_per_s"]:
                 lean[key] = r
     lines = [head]
@@ -437,7 +480,7 @@ def fmt_table(rows):
             continue
         peak = r.get("peak_gib")
         cells += [f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", "-" if peak is None else f"{peak:.2f}"]
-        base = lean.get((r["model"], r["layout"]))
+        base = lean.get((r["model"], r["layout"], lora_scope(r)))
         if r["framework"].startswith("lean") or base is None:
             cells += ["-", "-"]
         else:
@@ -461,12 +504,15 @@ def write_json(path, rows, rate, device, smoke):
         json.dump(dict(device=device, torch=torch.__version__, smoke=smoke, matmul_tflops=rate, rows=rows), f, indent=1)
 
 
-def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=8, json_path=None,
-         graph=False, smoke=False, timeout=300, budget=None, portable=False, n_layers=None):
+def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=PEERS, steps=8, json_path=None,
+         graph=False, smoke=False, timeout=300, budget=None, portable=False, n_layers=None, lean_attn=False):
     """Run every (model, layout) x (lean, peers) row, each in its own process; print the table.
     graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB;
     portable: lean's rows once more with LEAN_PORTABLE=1 ("lean portable", "lean+graph portable");
-    n_layers: every model cut to its first n_layers layers (default DEFAULT_LAYERS)."""
+    n_layers: every model cut to its first n_layers layers (default DEFAULT_LAYERS); lean_attn (or
+    "lean-attn" among peers): lean's rows once more with LoRA on q,k,v,o only ("lean attn-LoRA"),
+    which also run by themselves after an MoE model's peer row that came back attention-only.
+    MOE_ONLY peers (hf-default) run on MoE models only."""
     import importlib.util
 
     if n_layers is not None:
@@ -481,42 +527,53 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=tuple(FRAMEWORKS), steps=
                          f"{list(CONFIGS)}, layouts {list(LAYOUTS)}")
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench step: no CUDA GPU here; use --smoke for the CPU harness check")
+    lean_attn = lean_attn or "lean-attn" in peers
+    peers = [p for p in peers if p not in LEAN_TARGETS]
     warmup = 0 if smoke else WARMUP  # smoke: the interpreter is slow and no time is claimed
     device = "CPU (interpreter, tiny configs)" if smoke else torch.cuda.get_device_name()
+    names = ["lean"] + ["lean-attn"] * lean_attn + peers
     print(f"# bench step on {device}; torch {torch.__version__}; {steps} timed steps after {warmup} "
-          f"warm-up; frameworks {', '.join(FRAMEWORKS[f] for f in ['lean', *peers] if f in FRAMEWORKS)}")
+          f"warm-up; frameworks {', '.join(FRAMEWORKS[f] for f in names)}")
     rate = measure_matmul(smoke)
     rows = []
+
+    def run_row(fw, m, layout):
+        suffix, env = (" portable", {"LEAN_PORTABLE": "1"}) if fw == "lean portable" else \
+            (ATTN_SUFFIX, None) if fw == "lean-attn" else ("", None)
+        if fw.startswith("lean"):
+            raw = run_child("lean" if fw == "lean portable" else fw, m, layout, steps, warmup, smoke, graph, timeout,
+                            budget, env)
+        elif not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
+            raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
+        else:
+            raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout, budget)
+        parts = split_lean_row(raw, suffix) if fw.startswith("lean") and raw.get("status", "ok") == "ok" \
+            else [(raw, fw)]
+        for part, name in parts:
+            r = finish_row(part, name, m, layout, rate, smoke)
+            rows.append(r)
+            print_row(r)
+        if json_path:  # after every row: a run cut short keeps what it measured
+            write_json(json_path, rows, rate, device, smoke)
+
     for m in models:
         for layout in layouts:
-            for fw in ["lean"] + ["lean portable"] * portable + [p for p in peers if p != "lean"]:
-                suffix, env = (" portable", {"LEAN_PORTABLE": "1"}) if fw == "lean portable" else ("", None)
-                if fw.startswith("lean"):
-                    raw = run_child("lean", m, layout, steps, warmup, smoke, graph, timeout, budget, env)
-                elif is_moe(m):
-                    raw = dict(status="skipped", note=MOE_PEER_SKIP)
-                elif not smoke and importlib.util.find_spec(PEER_MODULE[fw]) is None:
-                    raw = dict(status="skipped", note=f"{PEER_MODULE[fw]} not installed: skipped")
-                else:
-                    raw = run_child(fw, m, layout, steps, warmup, smoke, graph, timeout, budget)
-                parts = split_lean_row(raw, suffix) if fw.startswith("lean") and raw.get("status", "ok") == "ok" \
-                    else [(raw, fw)]
-                for part, name in parts:
-                    r = finish_row(part, name, m, layout, rate, smoke)
-                    rows.append(r)
-                    print_row(r)
-                if json_path:  # after every row: a run cut short keeps what it measured
-                    write_json(json_path, rows, rate, device, smoke)
+            first = len(rows)
+            for fw in ["lean"] + ["lean-attn"] * lean_attn + ["lean portable"] * portable + \
+                    [p for p in peers if is_moe(m) or p not in MOE_ONLY]:
+                run_row(fw, m, layout)
+            attn_peers = [r["framework"] for r in rows[first:] if r["status"] == "ok"
+                          and not r["framework"].startswith("lean") and lora_scope(r) == "attn"]
+            if attn_peers and not lean_attn:  # the issue's rule: a peer without expert LoRA: lean both ways
+                print(f"# {', '.join(attn_peers)}: attention-only LoRA on {m}: lean's attention-only row too",
+                      flush=True)
+                run_row("lean-attn", m, layout)
     print()
     print(fmt_table(rows))
     if portable:
         print()
         print(fmt_portable(rows))
     return rows
-
-
-MOE_PEER_SKIP = ("skipped on MoE: bench_peers.py adapts the 7 dense projections; the experts need PEFT's "
-                 "target_parameters")  # the peers' MoE rows: the MoE speed issue
 
 
 def fmt_portable(rows):

@@ -23,9 +23,9 @@ import warnings
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The embedded default on CPU: two steps of 160 tokens through the interpreter (~123 s each on a
+# The embedded default on CPU: two steps of 160 tokens through the interpreter (~92 s each on a
 # slow 2-core machine) and the report before and after (held-out loss and sample; beside the
-# training on a second core: report.py): 5 min 16 s there, GGUF conversion excluded (~8 s).
+# training on a second core: report.py): 3 min 53 s there, GGUF conversion excluded (~8 s).
 DEFAULT_CPU = dict(steps=2, max_tokens=160, lr=3e-3, warmup_steps=1, r=8, alpha=16, eval_every=0, save_every=0,
                    heldout_fraction=0.002, sample_tokens=3)
 

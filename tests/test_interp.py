@@ -68,8 +68,10 @@ def test_builtins_restored_and_device_calls_skipped(monkeypatch):
     o, lse = torch.empty_like(q), torch.empty(H, N)
     attention_fwd(o, lse, q, q, q, torch.tensor([0, 17, 40], dtype=torch.int32), 23, 0.25)
     assert len(calls) >= 20, calls                         # device functions called inside the kernel
-    # the launch swaps tl (tl, tl.tensor, tl.math, descriptors) and tl.core once; no device call swaps again
-    assert len(swaps) <= 8, f"{len(swaps)} swaps for {len(calls)} device calls"
+    # the launch swaps tl (tl, tl.tensor, tl.math, descriptors), and the first device calls whose module
+    # sees another language module (tl.core) swap that one once (3-4 each); unpatched every device call
+    # swaps 3-5: 60+ here
+    assert len(swaps) <= 16, f"{len(swaps)} swaps for {len(calls)} device calls"
     assert _interp._STATE["scope"] is None
     with pytest.raises(ValueError, match="triton.jit"):   # the real builtin is back: it needs a JIT context
         tl.arange(0, 4)

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
       "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers); --resume --merge merges a finished run")
+    a("--load-in-4bit", action="store_true", help="QLoRA: hold the base model's seven projections in 4-bit NF4 "
+      "(bitsandbytes' format, double quantisation), quantised as the model loads; a checkpoint already in "
+      "bitsandbytes' 4-bit layout (a *-bnb-4bit upload) loads so without it. --merge then writes bf16")
     return p
 
 
@@ -136,7 +139,8 @@ def config_from_args(args):
         seed=args.seed, dtype=args.dtype, device=args.device, resume=args.resume, overwrite=args.overwrite,
         progress=not args.quiet, sample_prompt=args.sample_prompt, heldout_tokens=args.heldout_tokens,
         report_process=None,  # on a CPU with a core to spare, the report runs beside the training
-        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph, **recipe)
+        tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph,
+        quant="nf4" if args.load_in_4bit else None, **recipe)
     if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
         cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
     return cfg
@@ -144,7 +148,7 @@ def config_from_args(args):
 
 def merge_run(cfg, adapter_dir):
     """Fold the run's adapter into the model (fp32 on the run's device) and write --out/merged.
-    Returns (its path, whether MXFP4 experts were dequantised for it)."""
+    Returns (its path, what was dequantised for it: "" or a phrase, the dtype written)."""
     from pathlib import Path
 
     import torch
@@ -156,12 +160,14 @@ def merge_run(cfg, adapter_dir):
 
     device, dtype_name, _ = resolve_device_dtype(cfg)
     folder = resolve_model(cfg.model, dtype_name)
-    model = load_model(folder, dtype=torch.float32, device=device)
+    model = load_model(folder, dtype=torch.float32, device=device, quant=cfg.quant)  # the base the adapter trained on
     lora = LoRA.load(model, adapter_dir)
     out_dtype = "float32" if dtype_name == "float32" else "bfloat16"
     # out/merged belongs to this run (--overwrite cleared an earlier run's): replace it
     out = merge_and_save(model, lora, Path(cfg.out_dir) / "merged", dtype=out_dtype, src_dir=folder, overwrite=True)
-    return out, model.config.expert_quant == "mxfp4"
+    what = [w for w, on in (("MXFP4 experts", model.config.expert_quant == "mxfp4"),
+                             ("NF4 projections", model.config.weight_quant == "nf4")) if on]
+    return out, " and ".join(what), out_dtype
 
 
 def main(argv=None) -> int:
@@ -203,9 +209,10 @@ def main(argv=None) -> int:
         if term is not None:
             signal.signal(signal.SIGTERM, term)
     if merged is not None:
-        path, mxfp4 = merged
-        print(f"lean-train: merged model in {path}" + (" (written in bf16: its MXFP4 experts were dequantised to "
-              "fold the adapter in, about 3x their size on disk)" if mxfp4 else ""))
+        path, dequantised, out_dtype = merged
+        print(f"lean-train: merged model in {path}" + (f" (written in {out_dtype}: its "
+              f"{dequantised} were dequantised to fold the adapter in, as PEFT's merge does, about 3-4x their size "
+              "on disk)" if dequantised else ""))
     if metrics.get("finished"):
         print(f"lean-train: done: the run had finished step {metrics['step']} of {cfg.steps}, nothing left to "
               f"train; adapter in {metrics['adapter']}" + ("" if args.merge else " (add --merge to also write "

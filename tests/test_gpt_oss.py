@@ -190,8 +190,8 @@ def test_train_runs_an_mxfp4_gpt_oss_and_resumes(tmp_path, monkeypatch):
     pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "run" / "adapter")
     assert any("experts" in k for k, _ in pm.named_parameters())
     from lean.cli import merge_run
-    merged, dequantised = merge_run(run, tmp_path / "run" / "adapter")
-    assert dequantised and "quantization_config" not in json.loads((merged / "config.json").read_text())
+    merged, dequantised, _ = merge_run(run, tmp_path / "run" / "adapter")
+    assert dequantised == "MXFP4 experts" and "quantization_config" not in json.loads((merged / "config.json").read_text())
     from safetensors import safe_open
     with safe_open(str(merged / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())

@@ -108,6 +108,26 @@ def _gptoss_expert_launches(tokens, dtype, C=2880, F=2880, E=32, K=4, R=16):
     gmm_mxfp4(t(P, C), t(P, 2 * F), blocks, scales, off, transpose=True, lora=(t(P, R), t(E, C, R), 2.0))
 
 
+def _nf4_launches(cfg, dtype, batch, tokens):
+    """An NF4 copy of a dense preset (kernels/nf4.py): quantise and dequantise a projection, then the
+    step with nf4.FUSED forced each way (the pointer kernels' NF4 decode; the scratch copy)."""
+    import lean
+    import lean.kernels.nf4 as NF
+    from lean.models.weights import empty_model
+
+    model = empty_model(dataclasses.replace(cfg, weight_quant="nf4"), dtype, META)
+    q = model.layers[0].q
+    NF.nf4_quantize(q, torch.empty(q.shape, dtype=dtype, device=META))
+    NF.nf4_dequant(torch.empty(q.shape, dtype=dtype, device=META), q)
+    lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", seed=0)
+    for fused in (True, False):
+        NF.FUSED = fused
+        try:
+            lean.forward_backward(model, lora, batch)
+        finally:
+            NF.FUSED = None
+
+
 def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     """Run the step's variants for one preset on meta tensors, recording every launch."""
     import lean
@@ -163,6 +183,8 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         argmax_fwd(torch.empty(1, dtype=torch.int64, device=META), logits)
         if moe:  # GPT-OSS's expert kernels (no preset model launches them yet), at gpt-oss-20b's shapes
             _gptoss_expert_launches(tokens, dtype)
+        else:  # QLoRA: the model in NF4, quantised at load, its step through the fused decode and the scratch copy
+            _nf4_launches(cfg, dtype, big, tokens)
         # kernels no step launches: the dropout mask (tests), RMSNorm's weight gradient (the norms are
         # frozen under LoRA) and attention's TMA loops forced on
         lora_dropout_mask(torch.empty(tokens, cfg.hidden, dtype=dtype, device=META), 0, 0.1)

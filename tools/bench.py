@@ -1183,6 +1183,9 @@ def main():
     st.add_argument("--json", help="write the rows to this path")
     st.add_argument("--graph", action="store_true", help="also lean+graph: the whole step replayed from lean.StepGraph")
     st.add_argument("--budget", type=float, help="lean only: VRAM budget (GiB) for the activation plan (plan_for)")
+    st.add_argument("--quant", choices=["nf4"], help="QLoRA rows: lean's NF4 base weights, Unsloth's load_in_4bit "
+                    "(HF+PEFT rows are skipped)")
+    st.add_argument("--tokens", type=int, help="tokens per step (default 8192)")
     st.add_argument("--portable", action="store_true", help="lean's rows also on the portable path (LEAN_PORTABLE=1: "
                     "pointer loads, no TMA, the code an RTX / A100 card runs), in the same run")
     st.add_argument("--profile", action="store_true", help="instead of the table: lean's GPU time per kernel family "
@@ -1193,6 +1196,10 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
     if args.mode == "step":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        if args.quant:  # read by bench_step (at import) and by every row's process
+            os.environ["BENCH_STEP_QUANT"] = args.quant
+        if args.tokens:
+            os.environ["BENCH_STEP_TOKENS"] = str(args.tokens)
         import bench_step
 
         split = lambda s: [x for x in s.split(",") if x]  # noqa: E731

@@ -237,6 +237,8 @@ def run_hf(name, layout, warmup, steps, smoke, framework="hf"):
     """HF+PEFT (hf, hf-default) or HF+PEFT+Liger (liger): the row dict, or skipped."""
     if importlib.util.find_spec("peft") is None:
         return skipped("peft not installed: skipped")
+    if bench_step.quant():
+        return skipped("QLoRA rows: this harness runs lean and Unsloth only: skipped")
     liger, moe = framework == "liger", bench_step.is_moe(name)
     device, dtype, cuda = setting(smoke)
     model = build_hf(name, smoke, device, dtype, EXPERTS[framework])
@@ -346,8 +348,9 @@ def run_unsloth(name, layout, warmup, steps, smoke, checkpointing=False):
 
     total = bench_step.TOKENS
     ckpt = "unsloth" if checkpointing else False  # "unsloth": its offloaded gradient checkpointing
+    qlora = bench_step.quant() == "nf4"  # Unsloth's QLoRA: bitsandbytes NF4 at load
     model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=total, dtype=torch.bfloat16,
-                                                 load_in_4bit=False, use_gradient_checkpointing=ckpt)
+                                                 load_in_4bit=qlora, use_gradient_checkpointing=ckpt)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
                                              bias="none", use_gradient_checkpointing=ckpt, random_state=0)
     FastLanguageModel.for_training(model, use_gradient_checkpointing=ckpt)
@@ -366,7 +369,8 @@ def run_unsloth(name, layout, warmup, steps, smoke, checkpointing=False):
     lora = f"Unsloth's MoE LoRA: {where}" if moe else ""
     mxfp4 = "quantization_config" in bench_step.CONFIGS[name]
     bf16 = "experts not quantised (the folder holds them dequantised)" * mxfp4
-    note = ", ".join(filter(None, [lora, bf16, attn, note, "offloaded checkpointing" * checkpointing]))
+    note = ", ".join(filter(None, ["QLoRA load_in_4bit" * qlora, lora, bf16, attn, note,
+                                   "offloaded checkpointing" * checkpointing]))
     return dict(tokens=total, ms=t * 1e3, loss=loss, checkpointing=checkpointing_on(model) or checkpointing,
                 lora=scope, note=note)
 

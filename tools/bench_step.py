@@ -76,6 +76,7 @@ Errors: a peer that is not importable is skipped with a note, never faked; a row
 fails (an OOM, a crash, the per-row --timeout) prints its error tail and the table says so.
 Caution: --smoke numbers are CPU wall clock on tiny configs; they test the harness, not speed.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -92,7 +93,13 @@ from lean.models.presets import PRESETS  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
-TOKENS = 8192  # per optimizer step
+TOKENS = int(os.environ.get("BENCH_STEP_TOKENS") or 8192)  # per optimizer step (--tokens N: $BENCH_STEP_TOKENS)
+QUANT_ENV = "BENCH_STEP_QUANT"  # --quant nf4: QLoRA rows (lean's NF4 base weights, Unsloth's load_in_4bit)
+
+
+def quant():
+    """The bench's base-weight quantisation: "nf4" (QLoRA rows) or "" (the model dtype)."""
+    return os.environ.get(QUANT_ENV, "")
 SMOKE_TOKENS = 64
 WARMUP = 3
 FRAMEWORKS = {"lean": "lean", "lean-attn": "lean attn-LoRA", "hf": "HF+PEFT", "hf-default": "HF+PEFT (default experts)",
@@ -137,6 +144,8 @@ def model_config(name, smoke=False):
     if smoke:
         cfg.update(_TINY, **(_TINY_MOE if "num_experts" in cfg else {}),
                    **(_TINY_OSS if "num_local_experts" in cfg else {}))
+        if quant():  # NF4 blocks of 64 along every projection's input
+            cfg["intermediate_size"] = 128
     cfg["num_hidden_layers"] = min(cfg["num_hidden_layers"], layers(name) or cfg["num_hidden_layers"])
     if "layer_types" in cfg:  # GPT-OSS: transformers' config checks one type per layer
         cfg["layer_types"] = cfg["layer_types"][:cfg["num_hidden_layers"]]
@@ -217,12 +226,20 @@ def time_steps(step, warmup, steps, cuda):
 def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
     import lean
     from lean.models.config import config_from_hf
+    from lean.kernels.nf4 import Nf4, nf4_quantize
     from lean.models.weights import empty_model, random_mxfp4_
 
-    model = empty_model(config_from_hf(model_config(name, smoke)), dtype, device)
+    cfg = config_from_hf(model_config(name, smoke))
+    if quant():
+        cfg = dataclasses.replace(cfg, weight_quant=quant())
+    model = empty_model(cfg, dtype, device)
     g = torch.Generator(device=device).manual_seed(0)
     for name, t in model.hf_tensors():  # in place: no fp32 temporary in the row's peak (2.4 GiB at 8B)
-        if t.dtype == torch.uint8:  # MXFP4 experts
+        if isinstance(t, Nf4):  # a projection drawn in the model dtype, quantised, let go
+            w = torch.empty(t.shape, dtype=dtype, device=device)
+            nf4_quantize(t, w.normal_(0.0, 0.02, generator=g))
+            del w
+        elif t.dtype == torch.uint8:  # MXFP4 experts
             random_mxfp4_(t, name, g)
         elif t.dim() == 1:
             t.normal_(1.0, 0.1, generator=g)
@@ -356,7 +373,8 @@ def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, bud
     t, loss = time_steps(step, warmup, steps, cuda)
     attn = targets != "all"
     row = dict(tokens=total, ms=t * 1e3, loss=loss, lora="attn" if attn else "all",
-               note=" ".join(filter(None, ["LoRA q,k,v,o only" * attn, plan_note(plan)])),
+               note=" ".join(filter(None, ["QLoRA NF4 base" * bool(quant()), "LoRA q,k,v,o only" * attn,
+                                           plan_note(plan)])),
                checkpointing=plan is not None and any(m != "keep" for m in plan.modes))
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # since the process start

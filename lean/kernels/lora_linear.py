@@ -67,6 +67,7 @@ from lean.kernels.arch import arch
 from lean.kernels.gemm import FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
+from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile
 
 
 @triton.jit
@@ -109,11 +110,13 @@ def _lora_xa_kernel(
 @triton.jit
 def _lora_linear_fwd_kernel(
     y_ptr, xa_ptr,                          # (N, O) out; (N, R) out if COMPUTE_XA, else in
-    x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr,   # (N, K); (O, K); (R, K); (O, R); (O,) or dummy
+    x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr,   # (N, K); (O, K) or NF4 (O, K/2) uint8; (R, K); (O, R); (O,) or dummy
+    wq_absmax, wq_absmax2, wq_code2, wq_code, wq_offset,  # NF4 weight's tables (nf4.py), or dummies
     N, K, O, R, stride_x, stride_y, scale,
     HAS_BIAS: tl.constexpr, COMPUTE_XA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), N, O, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,13 +127,18 @@ def _lora_linear_fwd_kernel(
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]        # W^T tile (BLOCK_K, BLOCK_N)
     a_ptrs = a_ptr + rr[None, :] * K + rk[:, None]                     # A^T tile (BLOCK_K, BLOCK_R)
+    woff = tl.load(wq_offset) if NF4 else 0.0
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if NF4:  # the W^T tile decoded in registers from its bytes (nf4.nf4_tile), rounded like nf4_dequant
+            wt = tl.trans(nf4_tile(w_ptr, wq_absmax, wq_absmax2, wq_code2, wq_code, woff, rn.to(tl.int64), n_ok,
+                                   k0, K, COLS=BLOCK_K, QB=QB, QB2=QB2)).to(x_ptr.dtype.element_ty)
+        else:
+            wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         if COMPUTE_XA:
             at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
@@ -162,11 +170,13 @@ def _lora_linear_fwd_kernel(
 @triton.jit
 def _lora_linear_bwd_kernel(
     dx_ptr, dyb_ptr,                        # (N, K) out if HAS_DX; (N, R) out: dy B in dy's dtype
-    dy_ptr, w_ptr, a_ptr, b_ptr,            # (N, O); (O, K); (R, K); (O, R)
+    dy_ptr, w_ptr, a_ptr, b_ptr,            # (N, O); (O, K) or NF4 (O, K/2) uint8; (R, K); (O, R)
+    wq_absmax, wq_absmax2, wq_code2, wq_code, wq_offset,  # NF4 weight's tables (nf4.py), or dummies
     N, K, O, R, stride_dx, stride_dy, scale, seed, p, inv_keep,
     HAS_DX: tl.constexpr, DROPOUT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256,
 ):
     if HAS_DX:
         pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
@@ -180,6 +190,7 @@ def _lora_linear_bwd_kernel(
     dy_ptrs = dy_ptr + rm.to(tl.int64)[:, None] * stride_dy + ro[None, :]
     w_ptrs = w_ptr + ro.to(tl.int64)[:, None] * K + rn[None, :]        # W tile (BLOCK_O, BLOCK_N)
     b_ptrs = b_ptr + ro[:, None] * R + rr[None, :]                     # B tile (BLOCK_O, BLOCK_R)
+    woff = tl.load(wq_offset) if NF4 else 0.0
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -187,7 +198,11 @@ def _lora_linear_bwd_kernel(
         o_ok = ro < O - o0
         dyt = tl.load(dy_ptrs, mask=m_ok[:, None] & o_ok[None, :], other=0.0)
         if HAS_DX:
-            wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
+            if NF4:  # the W tile decoded in registers (nf4.nf4_tile)
+                wt = nf4_tile(w_ptr, wq_absmax, wq_absmax2, wq_code2, wq_code, woff, (o0 + ro).to(tl.int64), o_ok,
+                              pid_n * BLOCK_N, K, COLS=BLOCK_N, QB=QB, QB2=QB2).to(dy_ptr.dtype.element_ty)
+            else:
+                wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(dyt, wt, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_O * K
         bt = tl.load(b_ptrs, mask=o_ok[:, None] & r_ok[None, :], other=0.0)
@@ -241,6 +256,9 @@ def _lora_linear_bwd_kernel(
 _FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
+# An NF4 weight decoded in the backward kernel (nf4.py): its (BLOCK_O, BLOCK_N) byte tiles and decode
+# scratch take 104,448 B at the sm86 tiles above (3 stages too): 128 columns there (untuned; the others as _BWD).
+_BWD_NF4 = dict(_BWD, sm86=(128, 128, 32, 8, 4))
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
 GROUP_M = 8
@@ -252,12 +270,12 @@ def _fwd_config(N, O, dtype, at, K=0):
     return _FP32 if dtype == torch.float32 else _FWD[at.tier]
 
 
-def _bwd_config(dtype, at, dropout=0.0, N=0, K=0, O=0):
+def _bwd_config(dtype, at, dropout=0.0, N=0, K=0, O=0, nf4=False):
     if interpreting():
         return interpret_config(N, K, O)
     if dtype == torch.float32:
         return _FP32
-    return (_BWD_DROPOUT if dropout > 0.0 else _BWD)[at.tier]
+    return (_BWD_DROPOUT if dropout > 0.0 else _BWD_NF4 if nf4 else _BWD)[at.tier]
 
 
 def _precision(dtype):
@@ -270,8 +288,11 @@ def _check_lora(x, w, a, b, dropout, seed, dy=None):
     ref = x if x is not None else dy
     check(ref, "x" if x is not None else "dy", shape=(None, None), dtype=FLOATS, last_contiguous=True)
     N, dev, dt = ref.shape[0], ref.device, ref.dtype
-    check(w, "w", shape=(None, None), dtype=dt, device=dev, contiguous=True)
-    O, K = w.shape
+    if isinstance(w, Nf4):
+        O, K = check_nf4(w, "w", device=dev)
+    else:
+        check(w, "w", shape=(None, None), dtype=dt, device=dev, contiguous=True)
+        O, K = w.shape
     if x is not None and x.shape[1] != K:
         raise ValueError(f"x: expected {K} features (w is {tuple(w.shape)}), got shape {tuple(x.shape)}")
     check(a, "a", shape=(None, K), dtype=dt, device=dev, contiguous=True)
@@ -294,8 +315,23 @@ def dyb_width(R):
 def fwd_prepass(x, w, a, dropout=0.0):
     """True when lora_linear_fwd computes xa in a pre-pass of its own (the Hopper path, dropout 0):
     projections that share x may then get their xa from one read of it (lora_linear_tma.lora_xa_shared)
-    and pass xa_ready."""
-    return dropout == 0.0 and tma_ok(x, w, a, macs=x.shape[0] * x.shape[1] * w.shape[0])
+    and pass xa_ready. An NF4 weight takes that path through its dequantised scratch copy only."""
+    macs = x.shape[0] * x.shape[1] * w.shape[0]
+    if isinstance(w, Nf4):
+        return dropout == 0.0 and not nf4_fused(x.shape[0], x.shape[1], w.shape[0], x.device) and tma_ok(x, a, macs=macs)
+    return dropout == 0.0 and tma_ok(x, w, a, macs=macs)
+
+
+def _nf4_scratch(w, dtype):
+    """The NF4 weight w dequantised into a fresh (O, K) buffer of dtype (the scratch path)."""
+    wd = torch.empty(w.shape, dtype=dtype, device=w.device)                # (O, K)
+    nf4_dequant(wd, w)
+    return wd
+
+
+def _wq_args(w):
+    """The five NF4 table pointers of the pointer kernels: w's, or dummies (NF4=False)."""
+    return (w.absmax, w.absmax2, w.code2, w.code, w.offset) if isinstance(w, Nf4) else (w,) * 5
 
 
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):
@@ -308,6 +344,11 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
     if bias is not None:
         check(bias, "bias", shape=(O,), dtype=(x.dtype, torch.float32), device=x.device, contiguous=True)
     if N == 0:
+        return
+    nf4 = isinstance(w, Nf4)
+    if nf4 and not nf4_fused(N, K, O, x.device):
+        lora_linear_fwd(y, xa, x, _nf4_scratch(w, x.dtype), a, b, scale, bias=bias, dropout=dropout, seed=seed,
+                        xa_ready=xa_ready)
         return
     BR, prec = _block_r(R), _precision(x.dtype)
     if dropout > 0.0 and not xa_ready:
@@ -322,12 +363,13 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, arch(x.device), K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
+    nf4_opts = dict(NF4=True, QB=w.blocksize, enable_fp_fusion=False) if nf4 else {}
     _lora_linear_fwd_kernel[grid](
-        y, xa, x, w, a, b, bias if bias is not None else y,
+        y, xa, x, w.packed if nf4 else w, a, b, bias if bias is not None else y, *_wq_args(w),
         N, K, O, R, x.stride(0), y.stride(0), float(scale),
         HAS_BIAS=bias is not None, COMPUTE_XA=dropout == 0.0,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, PRECISION=prec,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **nf4_opts)
 
 
 def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=0, accumulate_dx=False,
@@ -350,6 +392,11 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     check(db, "db", shape=(O, R), dtype=torch.float32, device=dev, contiguous=True)
     if N == 0:
         return
+    nf4 = isinstance(w, Nf4) and dx is not None  # without dx the kernel never reads W
+    if nf4 and not nf4_fused(N, K, O, dev):
+        lora_linear_bwd(dx, da, db, dy, x, xa, _nf4_scratch(w, dt), a, b, scale, dropout=dropout, seed=seed,
+                        accumulate_dx=accumulate_dx, dyb=dyb)
+        return
     RP, prec = _block_r(R), _precision(dt)
     inv_keep = 1.0 / (1.0 - dropout)
     if RP != R:
@@ -361,20 +408,22 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
         a, b = a_pad, b_pad
 
     # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
-    BM, BN, BO, warps, stages = _bwd_config(dt, arch(dev), dropout, N, K, O)
+    BM, BN, BO, warps, stages = _bwd_config(dt, arch(dev), dropout, N, K, O, nf4)
     if dyb is None:
         dyb = torch.empty((N, RP), device=dev, dtype=dt)                  # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
-    if dx is not None and dropout == 0.0 and tma_ok(dy, w, b, dx, macs=N * K * O):
+    if dx is not None and dropout == 0.0 and not nf4 and tma_ok(dy, w, b, dx, macs=N * K * O):
         _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
     else:
+        wk = w.packed if isinstance(w, Nf4) else w
+        nf4_opts = dict(NF4=True, QB=w.blocksize, enable_fp_fusion=False) if nf4 else {}
         _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
-            dx if dx is not None else dyb, dyb, dy, w, a, b,
+            dx if dx is not None else dyb, dyb, dy, wk, a, b, *_wq_args(w if nf4 else wk),
             N, K, O, RP, dx.stride(0) if dx is not None else 0, dy.stride(0),
             float(scale), seed, float(dropout), inv_keep,
             HAS_DX=dx is not None, DROPOUT=dropout > 0.0, ACCUMULATE=accumulate_dx,
             BLOCK_M=BM, BLOCK_N=BN if dx is not None else 16, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
-            PRECISION=prec, num_warps=warps, num_stages=stages)
+            PRECISION=prec, num_warps=warps, num_stages=stages, **nf4_opts)
 
     # Kernels 2 and 3 (lora_grad.py, twice): partials over token chunks, then fixed-order sums into da / db.
     big = interpreting() and interpret_big(N, K, O)
@@ -422,16 +471,23 @@ def lora_dropout_mask(mask_out, seed, p):
 # Frozen projections without LoRA: thin wrappers over matmul with the layer's names.
 
 def linear_fwd(y, x, w, *, bias=None):
-    """y (N, O) = x (N, K) W^T + bias, w (O, K) the HF weight."""
+    """y (N, O) = x (N, K) W^T + bias, w (O, K) the HF weight (an NF4 one: through a dequantised
+    scratch copy)."""
     check(x, "x", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    if isinstance(w, Nf4):
+        check_nf4(w, "w", device=x.device)
+        w = _nf4_scratch(w, x.dtype)
     check(w, "w", shape=(None, x.shape[1]), dtype=x.dtype, device=x.device, contiguous=True)
     check(y, "y", shape=(x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device, last_contiguous=True)
     matmul(y, x, w.t(), bias=bias)
 
 
 def linear_bwd(dx, dy, w, *, accumulate=False):
-    """dx (N, K) = dy (N, O) W, written (=), or added (+=) when accumulate."""
+    """dx (N, K) = dy (N, O) W, written (=), or added (+=) when accumulate (W NF4: as linear_fwd)."""
     check(dy, "dy", shape=(None, None), dtype=FLOATS, last_contiguous=True)
+    if isinstance(w, Nf4):
+        check_nf4(w, "w", device=dy.device)
+        w = _nf4_scratch(w, dy.dtype)
     check(w, "w", shape=(dy.shape[1], None), dtype=dy.dtype, device=dy.device, contiguous=True)
     check(dx, "dx", shape=(dy.shape[0], w.shape[1]), dtype=dy.dtype, device=dy.device, last_contiguous=True)
     matmul(dx, dy, w, accumulate=accumulate)

@@ -71,6 +71,13 @@ class ModelConfig:
     glu_limit: float = 0.0  # the clamped GLU's limit (GPT-OSS swiglu_limit); 0: SwiGLU
     glu_alpha: float = 1.0  # its sigmoid slope (swiglu_alpha)
     expert_quant: str = ""  # "mxfp4": expert weights held in MXFP4 (models/weights.py); "": model dtype
+    # 4-bit base weights (QLoRA): "nf4" holds the seven projections of every layer in NF4 with double
+    # quantisation (kernels/nf4.py; an MoE layer's attention projections, its experts stay in the model
+    # dtype); quant_block its blocksize; quant_dense the HF module names a pre-quantised checkpoint
+    # left in the model dtype (e.g. "model.layers.0.mlp.down_proj").
+    weight_quant: str = ""
+    quant_block: int = 64
+    quant_dense: tuple = ()
 
     def window(self, layer):
         """Layer `layer`'s sliding window (0: full causal attention)."""

@@ -34,13 +34,33 @@ dequantised weight Wd is (E, out, in), the transpose of the bf16 layout, which i
     down_scales     mlp.experts.down_proj_scales     (E, C, Gf)
 
 (gpt-oss-20b: 0.42 GB a layer instead of 1.6 GB in bf16.)
+
+4-bit base weights (cfg.weight_quant == "nf4", QLoRA): each of a layer's seven projections (an MoE
+layer's q, k, v, o) is an Nf4 (kernels/nf4.py) whose parts are views of `qbuf`, each part's start
+aligned to 16 bytes (its fp32 parts are uint8 bytes viewed as fp32). A pre-quantised checkpoint
+(bitsandbytes' 4-bit layout, as the hub's *-bnb-4bit uploads hold it) names them:
+
+    packed   self_attn.q_proj.weight                              (O*K/2, 1) uint8 -> (O, K/2)
+    absmax   self_attn.q_proj.weight.absmax                       (nb,) uint8
+    absmax2  self_attn.q_proj.weight.nested_absmax                (nb2,) fp32
+    code2    self_attn.q_proj.weight.nested_quant_map             (256,) fp32
+    code     self_attn.q_proj.weight.quant_map                    (16,) fp32
+    offset   self_attn.q_proj.weight.quant_state.bitsandbytes__nf4   uint8 bytes of a JSON object:
+             quant_type, blocksize, dtype, shape, nested_blocksize, nested_dtype, nested_offset
+A bf16 checkpoint loaded with quant="nf4" is quantised as it loads (runtime/loader.py).
+(Qwen3-8B: 3.8 GB for its 36 layers' projections against 13.9 GB in bf16.)
 """
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from ..kernels.nf4 import Nf4, nf4_sizes
 from .config import ModelConfig
+
+PROJECTIONS = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+               ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+               ("down", "mlp.down_proj"))
 
 
 class Mxfp4(NamedTuple):
@@ -81,6 +101,30 @@ def quant_fields(cfg: ModelConfig, li: int = 0):
             ("gate_up_scales", "mlp.experts.gate_up_proj_scales", (E, 2 * Fe, C // 32)),
             ("down_blocks", "mlp.experts.down_proj_blocks", (E, C, Fe // 32, 16)),
             ("down_scales", "mlp.experts.down_proj_scales", (E, C, Fe // 32))]
+
+
+def nf4_projections(cfg: ModelConfig, li: int = 0):
+    """(field, HF module, (O, K)) of layer li's projections held in NF4 (none unless cfg.weight_quant
+    is "nf4"): every projection of the layer (an MoE layer's attention ones) but those cfg.quant_dense
+    names."""
+    if cfg.weight_quant != "nf4":
+        return []
+    C, F, Oq, Okv = cfg.hidden, cfg.intermediate, cfg.q_dim, cfg.kv_dim
+    shapes = {"q": (Oq, C), "k": (Okv, C), "v": (Okv, C), "o": (C, Oq), "gate": (F, C), "up": (F, C), "down": (C, F)}
+    moe = cfg.is_moe(li)
+    return [(t, f"model.layers.{li}.{m}", shapes[t]) for t, m in PROJECTIONS
+            if not (moe and t in ("gate", "up", "down")) and f"model.layers.{li}.{m}" not in cfg.quant_dense]
+
+
+def _nf4_parts(O, K, blocksize):
+    """(part, bytes) of one NF4 weight in qbuf, in order (each start aligned to 16 bytes)."""
+    nb, nb2 = nf4_sizes(O, K, blocksize)
+    return [("packed", O * K // 2), ("absmax", nb), ("absmax2", 4 * nb2), ("offset", 4), ("code2", 4 * 256),
+            ("code", 4 * 16)]
+
+
+def _align(n):
+    return (n + 15) // 16 * 16
 
 
 def layer_fields(cfg: ModelConfig, li: int = 0, dequantised=False):
@@ -128,6 +172,9 @@ def layer_fields(cfg: ModelConfig, li: int = 0, dequantised=False):
         f += [("sinks", "self_attn.sinks", (cfg.n_heads,))]
     if quant_fields(cfg, li) and not dequantised:
         f = [x for x in f if x[0] not in ("gate_up", "down_e")]
+    if not dequantised:
+        nf4 = {t for t, _, _ in nf4_projections(cfg, li)}
+        f = [x for x in f if x[0] not in nf4]
     return f
 
 
@@ -161,13 +208,25 @@ class Layer:
             n = _prod(shape)
             setattr(self, name, self.buf[off:off + n].view(shape))
             off += n
-        qfields = quant_fields(cfg, li)  # MXFP4 experts: a second, uint8 buffer
-        self.qbuf = torch.empty(sum(_prod(s) for _, _, s in qfields), dtype=torch.uint8, device=device)
+        qfields = quant_fields(cfg, li)  # MXFP4 experts and NF4 projections: a second, uint8 buffer
+        nf4 = [(t, O, K, _nf4_parts(O, K, cfg.quant_block)) for t, _, (O, K) in nf4_projections(cfg, li)]
+        qbytes = _align(sum(_prod(s) for _, _, s in qfields))
+        qbytes += sum(_align(n) for *_, parts in nf4 for _, n in parts)
+        self.qbuf = torch.empty(qbytes, dtype=torch.uint8, device=device)
         off = 0
         for name, _, shape in qfields:
             n = _prod(shape)
             setattr(self, name, self.qbuf[off:off + n].view(shape))
             off += n
+        off = _align(off)
+        for t, O, K, parts in nf4:
+            views = {}
+            for part, n in parts:
+                v = self.qbuf[off:off + n]
+                views[part] = v if part in ("packed", "absmax") else v.view(torch.float32)
+                off += _align(n)
+            views["packed"] = views["packed"].view(O, K // 2)
+            setattr(self, t, Nf4(blocksize=cfg.quant_block, **views))
         if qfields:
             self.gate_up = Mxfp4(self.gate_up_blocks, self.gate_up_scales)  # Wd (E, 2Fe, C)
             self.down_e = Mxfp4(self.down_blocks, self.down_scales)  # Wd (E, C, Fe)
@@ -193,12 +252,21 @@ class Model:
 
     def hf_tensors(self, dequantised=False):
         """(HF name, tensor) for every frozen tensor, in checkpoint naming; dequantised: MXFP4 experts
-        as the bf16 checkpoint's (E, in, out) tensors, fp32, freshly dequantised (one at a time)."""
+        as the bf16 checkpoint's (E, in, out) tensors and NF4 projections as (O, K), fp32, freshly
+        dequantised (one at a time). Not dequantised, an NF4 projection comes as its Nf4 under the
+        weight's name."""
         yield "model.embed_tokens.weight", self.embed
         for i, layer in enumerate(self.layers):
             for name, suffix, _ in layer_fields(self.config, i, dequantised):
                 t = getattr(layer, name)
-                yield f"model.layers.{i}.{suffix}", t.dense().transpose(1, 2) if isinstance(t, Mxfp4) else t
+                if isinstance(t, Mxfp4):
+                    t = t.dense().transpose(1, 2)
+                elif isinstance(t, Nf4):
+                    t = t.dense()
+                yield f"model.layers.{i}.{suffix}", t
+            if not dequantised:
+                for name, module, _ in nf4_projections(self.config, i):
+                    yield f"{module}.weight", getattr(layer, name)  # an Nf4: the loader fills or quantises it
             if not dequantised:
                 for name, suffix, _ in quant_fields(self.config, i):
                     yield f"model.layers.{i}.{suffix}", getattr(layer, name)

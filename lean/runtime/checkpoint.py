@@ -41,8 +41,8 @@ CHECKPOINT = "checkpoint"
 # Fields that must match between a checkpoint and a resumed run (they change batches or weights).
 RESUME_KEYS = ("max_tokens", "grad_accum", "steps", "lr", "warmup_steps", "min_lr_ratio",
                "weight_decay", "max_grad_norm", "r", "alpha", "dropout", "targets", "seed",
-               "heldout_fraction", "heldout_tokens")
-ADDED_KEYS = {"heldout_tokens": HELDOUT_TOKENS}  # RESUME_KEYS later than the first checkpoints: their value then
+               "heldout_fraction", "heldout_tokens", "quant")
+ADDED_KEYS = {"heldout_tokens": HELDOUT_TOKENS, "quant": None}  # RESUME_KEYS later than the first checkpoints: their value then
 
 
 class TrainError(RuntimeError):

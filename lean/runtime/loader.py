@@ -14,7 +14,8 @@ import torch
 
 from ..kernels.arch import arch
 from ..models.config import UnsupportedModelError, config_from_hf
-from ..models.weights import IGNORED_SUFFIXES, empty_model, expert_aliases
+from ..kernels.nf4 import Nf4, nf4_quantize
+from ..models.weights import IGNORED_SUFFIXES, PROJECTIONS, empty_model, expert_aliases
 
 # What a training run needs from a hub repository: config, weights, tokenizer and chat template.
 HUB_PATTERNS = [
@@ -99,8 +100,10 @@ def shard_files(model_dir: Path):
     raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
 
 
-def load_model(path_or_id, dtype=torch.bfloat16, device=None):
-    """Load config and weights into a lean Model (flat per-layer tensors in `dtype` on `device`)."""
+def load_model(path_or_id, dtype=torch.bfloat16, device=None, quant=None):
+    """Load config and weights into a lean Model (flat per-layer tensors in `dtype` on `device`).
+    quant="nf4": the seven projections of every layer quantised to NF4 as they load (QLoRA; see
+    models/weights.py). A checkpoint already in bitsandbytes' 4-bit layout loads as NF4 either way."""
     from safetensors import safe_open
 
     model_dir = resolve_model_dir(path_or_id)
@@ -125,19 +128,72 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None):
                 for name in handle.keys():
                     yield name, (lambda n=name: handle.get_tensor(n)), f
 
-    return _fill(_stored_as(cfg, names), tensors(), dtype, device, str(model_dir))
+    def read(name):  # one small tensor by name (a quant state's JSON)
+        for f in files:
+            with open_shard(f) as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+
+    return _fill(_stored_as(cfg, names, quant, read), tensors(), dtype, device, str(model_dir))
 
 
-def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None):
+def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None, quant=None):
     """A lean Model from a config.json dict and HF-named tensors already in memory."""
-    cfg = _stored_as(config_from_hf(config), list(tensors))
+    cfg = _stored_as(config_from_hf(config), list(tensors), quant, tensors.get)
     return _fill(cfg, ((k, (lambda t=t: t), "tensors") for k, t in tensors.items()), dtype, device, "")
 
 
-def _stored_as(cfg, names):
+NF4_STATE = ".quant_state.bitsandbytes__nf4"
+# bitsandbytes' names of an NF4 weight's parts, after the weight's own name -> Nf4 field
+NF4_PARTS = ((".absmax", "absmax"), (".nested_absmax", "absmax2"), (".nested_quant_map", "code2"),
+             (".quant_map", "code"), (NF4_STATE, "state"))
+
+
+def _quant_state(t, src, name):
+    """The JSON object of a bitsandbytes quant state tensor (uint8 bytes)."""
+    try:
+        return json.loads(bytes(t.reshape(-1).tolist()).decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{src}: {name} is not a bitsandbytes quant state ({e}): re-download the model") from e
+
+
+def _nf4_config(cfg, names, quant, read):
+    """cfg with weight_quant / quant_block / quant_dense for a checkpoint of these tensor names."""
+    if quant not in (None, "nf4"):
+        raise ValueError(f"quant={quant!r}: lean quantises base weights to 'nf4' only (or None: as stored)")
+    if any(n.endswith(".quant_state.bitsandbytes__fp4") for n in names):
+        raise ModelLoadError("this checkpoint holds bitsandbytes FP4 weights; lean reads NF4 only: load the "
+                             "bf16 model with --load-in-4bit (quant='nf4') instead")
+    states = [n for n in names if n.endswith(NF4_STATE)]
+    if not states and quant is None:
+        return cfg
+    block, dense = 64, ()
+    if states:  # pre-quantised: the blocksize from the file; projections stored without a state stay dense
+        state = _quant_state(read(states[0]), "checkpoint", states[0])
+        block = int(state.get("blocksize", 0))
+        if "nested_offset" not in state:
+            raise ModelLoadError(f"{states[0]}: quantised without double quantisation (bnb_4bit_use_double_quant "
+                                 "false); lean holds NF4 with double quantisation only: load the bf16 model with "
+                                 "--load-in-4bit (quant='nf4') instead")
+        have = {n[:-len(".weight" + NF4_STATE)] for n in states}
+        dense = tuple(f"model.layers.{li}.{m}" for li in range(cfg.n_layers) for _, m in PROJECTIONS
+                      if f"model.layers.{li}.{m}" not in have and f"model.layers.{li}.{m}.weight" in names)
+    if block not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        raise ModelLoadError(f"{states[0]}: NF4 blocksize {block} is not one of bitsandbytes' (32 .. 4096)")
+    sizes = [cfg.hidden, cfg.intermediate, cfg.q_dim]
+    if any(n % block for n in sizes):
+        raise ModelLoadError(f"NF4 blocks of {block} must divide every projection's input width (hidden "
+                             f"{cfg.hidden}, intermediate {cfg.intermediate}, heads x head_dim {cfg.q_dim}): "
+                             "this model cannot be held in NF4; load it without 4-bit")
+    return dataclasses.replace(cfg, weight_quant="nf4", quant_block=block, quant_dense=dense)
+
+
+def _stored_as(cfg, names, quant=None, read=None):
     """cfg with expert_quant set from the tensors a checkpoint holds: GPT-OSS experts stay MXFP4 when
     the checkpoint has them so (*_blocks / *_scales), and load in the model dtype when it holds bf16
-    ones (a dequantised copy may keep config.json's quantization_config)."""
+    ones (a dequantised copy may keep config.json's quantization_config). NF4 projections: asked
+    for (quant="nf4") or stored so (bitsandbytes' 4-bit layout)."""
+    cfg = _nf4_config(cfg, names, quant, read)
     if not cfg.expert_bias:
         return cfg
     mx = any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
@@ -161,18 +217,26 @@ def _fill(cfg, named, dtype, device, path):
         for name, view, fused in expert_aliases(layer, li, cfg):
             targets[name], parts[name] = view, fused
     n_parts = Counter(parts.values())
+    nf4_parts = {w + suffix: (w, part) for w, t in targets.items() if isinstance(t, Nf4) for suffix, part in NF4_PARTS}
+    stored_nf4 = set()  # NF4 weights read as stored (their parts then required)
     seen, unexpected = set(), []
     for name, get, src in named:
+        if name in nf4_parts:
+            w, part = nf4_parts[name]
+            _load_nf4_part(targets[w], part, _get(get, src, name), src, name)
+            seen.add(name)
+            continue
         dst = targets.get(name)
         if dst is None:
             if not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_embeddings)):
                 unexpected.append(name)
             continue
-        try:
-            t = get()
-        except Exception as e:
-            raise ModelLoadError(f"{src}: tensor {name} could not be read ({e}); the file may be "
-                                 "truncated: download it again") from e
+        t = _get(get, src, name)
+        if isinstance(dst, Nf4):
+            if _load_nf4(dst, t, dtype, src, name):
+                stored_nf4.add(name)
+            seen.add(name)
+            continue
         if tuple(t.shape) != tuple(dst.shape):
             raise ModelLoadError(f"{src}: tensor {name} has shape {tuple(t.shape)}, but config.json "
                                  f"implies {tuple(dst.shape)}: the weights do not match the config")
@@ -184,6 +248,7 @@ def _fill(cfg, named, dtype, device, path):
         if fused in seen:
             seen.add(p)
     missing = [n for n in targets if n not in seen]
+    missing += [n for n, (w, _) in nf4_parts.items() if w in stored_nf4 and n not in seen]
     if missing or unexpected:
         parts = []
         if missing:
@@ -194,3 +259,51 @@ def _fill(cfg, named, dtype, device, path):
                              "config: " + "; ".join(parts) + ": re-download the model, or point at the "
                              "folder whose config.json belongs to these weights")
     return model
+
+
+def _get(get, src, name):
+    try:
+        return get()
+    except Exception as e:
+        raise ModelLoadError(f"{src}: tensor {name} could not be read ({e}); the file may be "
+                             "truncated: download it again") from e
+
+
+def _load_nf4(q: Nf4, t, dtype, src, name):
+    """Fill NF4 weight q from checkpoint tensor t: bitsandbytes' packed bytes (True: its parts must
+    follow), or a float weight (O, K), cast to the model dtype and quantised here (False)."""
+    O, K = q.shape
+    if t.dtype == torch.uint8:
+        if t.numel() != O * K // 2:
+            raise ModelLoadError(f"{src}: tensor {name} holds {t.numel()} packed bytes, but config.json implies "
+                                 f"({O}, {K}) = {O * K // 2}: the weights do not match the config")
+        q.packed.copy_(t.reshape(O, K // 2))
+        return True
+    if tuple(t.shape) != (O, K):
+        raise ModelLoadError(f"{src}: tensor {name} has shape {tuple(t.shape)}, but config.json implies "
+                             f"{(O, K)}: the weights do not match the config")
+    w = torch.empty((O, K), dtype=dtype, device=q.packed.device)  # (O, K): the weight in the model dtype, once
+    w.copy_(t)
+    nf4_quantize(q, w)
+    return False
+
+
+def _load_nf4_part(q: Nf4, part, t, src, name):
+    """One bitsandbytes quant-state part of q (see models/weights.py for the names)."""
+    O, K = q.shape
+    if part == "state":
+        st = _quant_state(t, src, name)
+        want = dict(quant_type="nf4", blocksize=q.blocksize, shape=[O, K], nested_blocksize=256)
+        bad = {k: st.get(k) for k, v in want.items() if st.get(k) != v}
+        if bad or "nested_offset" not in st:
+            raise ModelLoadError(f"{src}: {name} describes {bad or 'no nested_offset'}, expected {want} with "
+                                 "double quantisation: the weights do not match the config, or lean does not "
+                                 "read this bitsandbytes layout; load the bf16 model with --load-in-4bit")
+        q.offset.copy_(torch.tensor([float(st["nested_offset"])], dtype=torch.float32))
+        return
+    dst = getattr(q, part)
+    if t.dtype != dst.dtype or t.numel() != dst.numel():
+        raise ModelLoadError(f"{src}: tensor {name} is {t.dtype} with {t.numel()} values, expected {dst.dtype} "
+                             f"with {dst.numel()} (NF4 blocks of {q.blocksize} over ({O}, {K}), double "
+                             "quantisation): the weights do not match the config")
+    dst.copy_(t.reshape(dst.shape))

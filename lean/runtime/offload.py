@@ -44,6 +44,8 @@ two steps must not run interleaved on one scheduler.
 """
 import torch
 
+from ..kernels.nf4 import Nf4
+
 
 class OffloadError(ValueError):
     pass
@@ -180,6 +182,8 @@ def measure_rates(model, n_tokens, repeats=9):
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
     w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
+    if isinstance(w, Nf4):  # an NF4 model: the GEMM its scratch path runs, on the gate dequantised once
+        w = w.dense(model.dtype)
     if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C), or of
         gu = model.layers[0].gate_up  # q (Oq, C) where the experts are MXFP4 pairs
         w = gu.reshape(-1, C)[:F] if isinstance(gu, torch.Tensor) else model.layers[0].q[:F]

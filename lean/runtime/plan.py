@@ -320,6 +320,18 @@ def _proj_dims(cfg, t):
             "down": (F, C)}[t]
 
 
+def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
+    """An NF4 model's projection dequantised for one GEMM (kernels/lora_linear._nf4_scratch), on the
+    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K), counted at
+    every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
+    if cfg.weight_quant != "nf4":
+        return 0
+    from ..kernels.nf4 import nf4_fused
+
+    sizes = [O * K for K, O in (_proj_dims(cfg, t) for t in TARGETS) if not nf4_fused(n_tokens, K, O)]
+    return max(sizes, default=0) * act_bytes
+
+
 def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
     """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
     fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
@@ -667,6 +679,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
     act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout)
+    act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),

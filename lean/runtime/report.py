@@ -121,7 +121,7 @@ def _compute(spec, go=None) -> dict:
     from .train import evaluate
 
     one_blas_thread()
-    model = load_model(spec["model_dir"], dtype=getattr(torch, spec["dtype"]), device="cpu")
+    model = load_model(spec["model_dir"], dtype=getattr(torch, spec["dtype"]), device="cpu", quant=spec.get("quant"))
     if go is not None:  # started beside the last step: the adapter exists once the parent says so
         go.recv()
     lora = LoRA.load(model, spec["adapter"]) if spec.get("adapter") else LoRA.init(model, **spec["lora"])

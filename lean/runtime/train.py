@@ -121,6 +121,7 @@ class TrainConfig:
     tensorboard: bool = True      # also log to out_dir/tb when tensorboard is installed
     vram_budget: float = None     # GiB: plan recompute/offload so a step fits (None: the GPU's free memory)
     graph: bool = True            # CUDA: replay each step from one captured graph where it can
+    quant: str = None             # "nf4": the base model's projections in 4-bit NF4 (QLoRA, --load-in-4bit)
     report_process: bool = False  # the before/after report in a second process (report.py); None: where it
                                   # pays (lean-train's choice; a spawned process imports the caller's __main__)
 
@@ -336,7 +337,7 @@ def _train(cfg, out) -> dict:
 
 def _report_spec(cfg, model_dir, dtype_name, device, heldout=None, adapter=None, tokens=None) -> dict:
     """What the report process needs (report.py): the untrained model's report, or the adapter's sample."""
-    return {"model_dir": str(model_dir), "dtype": dtype_name, "adapter": str(adapter) if adapter else None,
+    return {"model_dir": str(model_dir), "dtype": dtype_name, "quant": cfg.quant, "adapter": str(adapter) if adapter else None,
             "lora": dict(r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout, seed=cfg.seed),
             "heldout": heldout, "budget": eval_budget(cfg, device), "prompt": cfg.sample_prompt,
             "tokens": cfg.sample_tokens if tokens is None else tokens}
@@ -409,7 +410,7 @@ def _load(cfg, device, dtype_name, dtype):
     fingerprint = data_fingerprint(train_docs)
     resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
     try:
-        model = load_model(model_dir, dtype=dtype, device=device)
+        model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
                         for b in pack_batches(heldout, eval_budget(cfg, device), shuffle=False)] if heldout else []
         lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
@@ -420,8 +421,8 @@ def _load(cfg, device, dtype_name, dtype):
     except (torch.cuda.OutOfMemoryError, MemoryError) as e:
         where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
         raise TrainError(f"out of {where} memory loading {model_dir} in {dtype_name} on {device} ({e}): "
-                         "the model does not fit; use a smaller model, bfloat16 (--dtype), or a GPU with "
-                         "more memory") from e
+                         "the model does not fit; use a smaller model, bfloat16 (--dtype), 4-bit base "
+                         "weights (--load-in-4bit), or a GPU with more memory") from e
     return model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches
 
 

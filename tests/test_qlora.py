@@ -1,0 +1,144 @@
+"""QLoRA: models held in NF4 (quantised at load, or read from bitsandbytes' 4-bit layout), their LoRA
+step against HF + PEFT on the same dequantised weights (CPU, float32), and the loader's refusals."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import lean
+import lean.kernels.nf4 as nf4mod
+from lean.kernels.nf4 import Nf4
+from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.runtime.loader import ModelLoadError
+from tests.hf_models import build_hf, tiny_config
+from tests.test_step import _rel_max
+from tests.util import DEVICE, fresh_generator
+
+
+def _hf(arch, seed):
+    cfg = tiny_config(arch)
+    cfg.intermediate_size = 128  # every projection's input width a multiple of the NF4 block (64)
+    return build_hf(arch, seed, config=cfg)
+
+
+def _seed():
+    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_qlora_step_matches_hf_peft(tmp_path, arch, fused, monkeypatch):
+    """load_model(quant="nf4") holds the seven projections in NF4; its LoRA step (fused NF4 decode
+    or the scratch copy) equals HF + PEFT's on the dequantised weights: loss 1e-5, every grad 1e-4."""
+    monkeypatch.setattr(nf4mod, "FUSED", fused)
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    hf = _hf(arch, seed)
+    hf.save_pretrained(tmp_path / "model")
+    model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
+    assert model.config.weight_quant == "nf4"
+    for layer in model.layers:
+        assert all(isinstance(getattr(layer, t), Nf4) for t in ("q", "k", "v", "o", "gate", "up", "down"))
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        n = 0
+        for name, t in model.hf_tensors(dequantised=True):
+            if name.endswith("_proj.weight"):
+                assert not torch.equal(params[name].cpu(), t.cpu())  # quantised: not the bf16 weight
+                params[name].copy_(t)
+                n += 1
+        assert n == 7 * model.config.n_layers
+    lora = lean.LoRA.init(model, r=8, alpha=16, targets="all", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in lora.layers:
+        for ad in layer.values():
+            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
+    lora.sync_lowp()
+    docs = [rng.integers(0, model.config.vocab, int(k)).tolist() for k in rng.integers(1, 24, 4)] + [[5]]
+    batch = lean.pack(docs, max_tokens=128, device=DEVICE)
+    lora.zero_grad()
+    loss_sum, n_tok = lean.forward_backward(model, lora, batch)
+    ref_sum, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(hf, lora), docs)
+    assert n_tok == ref_n
+    assert abs(loss_sum.item() - ref_sum.item()) <= 1e-5 * abs(ref_sum.item())
+    grads = lora.grad_state_dict()
+    assert set(grads) == set(ref_grads)
+    for k, ref in ref_grads.items():
+        assert ref.abs().max() > 0, f"{k}: reference gradient is zero, test would be vacuous"
+        err = _rel_max(grads[k], ref)
+        assert err <= 1e-4, f"{k}: relative error {err:.2e}"
+
+
+def _write_bnb(folder, model, src, dense=(), drop=None, state_edit=None):
+    """A checkpoint in bitsandbytes' 4-bit layout (the names and shapes QuantState.as_dict(packed=True)
+    gives, as transformers saves a load_in_4bit model) of `model`'s NF4 projections, the other
+    tensors from src's checkpoint; `dense` projections (HF module names) kept in src's dtype."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    for li, layer in enumerate(model.layers):
+        for t, m in lean.models.weights.PROJECTIONS:
+            name = f"model.layers.{li}.{m}"
+            if name in dense:
+                continue
+            q = getattr(layer, t)
+            O, K = q.shape
+            tensors[f"{name}.weight"] = q.packed.reshape(-1, 1).cpu().clone()
+            tensors[f"{name}.weight.absmax"] = q.absmax.cpu().clone()
+            tensors[f"{name}.weight.quant_map"] = q.code.cpu().clone()
+            tensors[f"{name}.weight.nested_absmax"] = q.absmax2.cpu().clone()
+            tensors[f"{name}.weight.nested_quant_map"] = q.code2.cpu().clone()
+            state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [O, K],
+                     "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": q.offset.item()}
+            if state_edit:
+                state_edit(state)
+            tensors[f"{name}.weight.quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(state).encode()),
+                                                                                   dtype=torch.uint8)
+    if drop:
+        del tensors[drop]
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_prequantised_checkpoint(tmp_path):
+    """A checkpoint in bitsandbytes' layout loads as NF4 without quant=, the same bits as quantising at
+    load; a projection stored in float stays dense (quant_dense); missing parts, FP4 and a mismatched
+    quant state are refused by name."""
+    hf = _hf("qwen3", _seed())
+    hf.save_pretrained(tmp_path / "src")
+    ref = lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="nf4")
+    keep = "model.layers.1.mlp.down_proj"
+    _write_bnb(tmp_path / "bnb", ref, tmp_path / "src", dense=(keep,))
+    got = lean.load_model(tmp_path / "bnb", dtype=torch.float32, device=DEVICE)
+    assert got.config.weight_quant == "nf4" and got.config.quant_dense == (keep,)
+    for li, (a, b) in enumerate(zip(ref.layers, got.layers)):
+        for t in ("q", "k", "v", "o", "gate", "up", "down"):
+            if li == 1 and t == "down":
+                assert isinstance(getattr(b, t), torch.Tensor)
+                assert torch.equal(b.down.cpu(), hf.model.layers[1].mlp.down_proj.weight.detach())
+                continue
+            for x, y in zip(getattr(a, t)[:6], getattr(b, t)[:6]):
+                assert torch.equal(x, y), (li, t)
+    _write_bnb(tmp_path / "missing", ref, tmp_path / "src", drop="model.layers.0.self_attn.k_proj.weight.absmax")
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor\(s\): model.layers.0.self_attn.k_proj.weight.absmax"):
+        lean.load_model(tmp_path / "missing", dtype=torch.float32, device=DEVICE)
+    _write_bnb(tmp_path / "block", ref, tmp_path / "src", state_edit=lambda s: s.update(shape=[1, 2]))
+    with pytest.raises(ModelLoadError, match="describes"):
+        lean.load_model(tmp_path / "block", dtype=torch.float32, device=DEVICE)
+    _write_bnb(tmp_path / "single", ref, tmp_path / "src", state_edit=lambda s: s.pop("nested_offset"))
+    with pytest.raises(ModelLoadError, match="without double quantisation"):
+        lean.load_model(tmp_path / "single", dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="quant='int8'"):
+        lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="int8")
+
+
+def test_refuses_widths_off_the_block(tmp_path):
+    """intermediate_size 96 is no multiple of 64: --load-in-4bit says so before loading."""
+    build_hf("llama", _seed()).save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="intermediate 96"):
+        lean.load_model(tmp_path / "m", dtype=torch.float32, device=DEVICE, quant="nf4")

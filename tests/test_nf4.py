@@ -149,6 +149,7 @@ def test_lora_linear_nf4(dtype, fused, N, K, O, R, dropout, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("O,K", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (37, 192)])
+@pytest.mark.timeout(300)
 def test_matches_bitsandbytes(dtype, O, K):
     """On the GPU, against bitsandbytes 0.50's CUDA quantize_4bit / dequantize_4bit (nf4, blocksize
     64, compress_statistics): packed bytes, nested absmax, absmax2, tables and dequantised values

@@ -30,6 +30,7 @@ def _bnb_config():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("config", [LLAMA_32_1B, QWEN3_8B_4L], ids=["llama-3.2-1b", "qwen3-8b-4-layers"])
 def test_qlora_step_bf16_against_bnb(tmp_path, config, monkeypatch):
     """(HF's side runs once; lean's step both ways: nf4.FUSED True and False.)"""
@@ -40,9 +41,10 @@ def test_qlora_step_bf16_against_bnb(tmp_path, config, monkeypatch):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    with torch.device("cuda"):  # random init on the GPU (minutes on the host at these sizes)
+        hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
     hf16.save_pretrained(tmp_path / "bf16")
-    sd16 = {k: v.clone() for k, v in hf16.state_dict().items()}
+    sd16 = {k: v.cpu() for k, v in hf16.state_dict().items()}
     del hf16
     hfq = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=_bnb_config(),
                                                dtype=torch.bfloat16, device_map="cuda").eval()
@@ -77,11 +79,12 @@ def test_qlora_step_bf16_against_bnb(tmp_path, config, monkeypatch):
         runs[fused] = (loss.clone(), {k: v.clone() for k, v in lora.grad_state_dict().items()})
 
     # the reference: fp32 on the dequantised projections (the rest as stored, widened)
-    ref = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.device("cuda"):
+        ref = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     sd = {k: v.float() for k, v in sd16.items()}
-    sd.update({name: t.cpu() for name, t in model.hf_tensors(dequantised=True) if name.endswith("_proj.weight")})
+    sd.update({name: t for name, t in model.hf_tensors(dequantised=True) if name.endswith("_proj.weight")})
     ref.load_state_dict(sd)
-    ref_loss, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(ref.cuda().eval(), lora), docs, device="cuda")
+    ref_loss, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(ref.eval(), lora), docs, device="cuda")
     del ref
     lp_loss, _, lp_grads = hf_loss_and_grads(peft_wrap(hfq, lora), docs, device="cuda")  # HF + PEFT on bnb-4bit
     assert n == ref_n

@@ -67,7 +67,7 @@ from lean.kernels.arch import arch
 from lean.kernels.gemm import FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
-from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile
+from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _lora_linear_fwd_kernel(
     HAS_BIAS: tl.constexpr, COMPUTE_XA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256,
+    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256, PTX: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), N, O, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -136,7 +136,7 @@ def _lora_linear_fwd_kernel(
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if NF4:  # the W^T tile decoded in registers from its bytes (nf4.nf4_tile), rounded like nf4_dequant
             wt = tl.trans(nf4_tile(w_ptr, wq_absmax, wq_absmax2, wq_code2, wq_code, woff, rn.to(tl.int64), n_ok,
-                                   k0, K, COLS=BLOCK_K, QB=QB, QB2=QB2)).to(x_ptr.dtype.element_ty)
+                                   k0, K, COLS=BLOCK_K, QB=QB, QB2=QB2, PTX=PTX)).to(x_ptr.dtype.element_ty)
         else:
             wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
@@ -176,7 +176,7 @@ def _lora_linear_bwd_kernel(
     HAS_DX: tl.constexpr, DROPOUT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256,
+    NF4: tl.constexpr = False, QB: tl.constexpr = 64, QB2: tl.constexpr = 256, PTX: tl.constexpr = False,
 ):
     if HAS_DX:
         pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
@@ -200,7 +200,7 @@ def _lora_linear_bwd_kernel(
         if HAS_DX:
             if NF4:  # the W tile decoded in registers (nf4.nf4_tile)
                 wt = nf4_tile(w_ptr, wq_absmax, wq_absmax2, wq_code2, wq_code, woff, (o0 + ro).to(tl.int64), o_ok,
-                              pid_n * BLOCK_N, K, COLS=BLOCK_N, QB=QB, QB2=QB2).to(dy_ptr.dtype.element_ty)
+                              pid_n * BLOCK_N, K, COLS=BLOCK_N, QB=QB, QB2=QB2, PTX=PTX).to(dy_ptr.dtype.element_ty)
             else:
                 wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(dyt, wt, acc, input_precision=PRECISION)
@@ -363,7 +363,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, arch(x.device), K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)
-    nf4_opts = dict(NF4=True, QB=w.blocksize, enable_fp_fusion=False) if nf4 else {}
+    nf4_opts = dict(NF4=True, QB=w.blocksize, PTX=ptx()) if nf4 else {}
     _lora_linear_fwd_kernel[grid](
         y, xa, x, w.packed if nf4 else w, a, b, bias if bias is not None else y, *_wq_args(w),
         N, K, O, R, x.stride(0), y.stride(0), float(scale),
@@ -416,7 +416,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
         _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
     else:
         wk = w.packed if isinstance(w, Nf4) else w
-        nf4_opts = dict(NF4=True, QB=w.blocksize, enable_fp_fusion=False) if nf4 else {}
+        nf4_opts = dict(NF4=True, QB=w.blocksize, PTX=ptx()) if nf4 else {}
         _lora_linear_bwd_kernel[(triton.cdiv(N, BM) * col_blocks,)](
             dx if dx is not None else dyb, dyb, dy, wk, a, b, *_wq_args(w if nf4 else wk),
             N, K, O, RP, dx.stride(0) if dx is not None else 0, dy.stride(0),

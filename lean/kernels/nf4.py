@@ -16,7 +16,8 @@ nb = n / QB blocks, QB2 the nested blocksize (256), nb2 = ceil(nb / QB2).
 
 Math, exactly (lean/reference/nf4.py is the same in numpy):
   quantise, per block b of QB values x (fp32; 16-bit inputs widen exactly):
-    a_b  = max |x|                    inv = 1 / a_b rounded once (IEEE division: tl.math.div_rn)
+    a_b  = max |x|                    inv = 1 / a_b: rcp.approx.ftz.f32 on a GPU, as bitsandbytes'
+                                      build (nvcc --use_fast_math); exact in the interpreter
     q    = #{t in NF4_BOUNDS : x * inv > t}       (the CUDA kernel's comparison tree; NaN -> 0, so an
                                                   all-zero block codes to 0 = -1.0 times a_b = 0)
   offset = mean(a) (see Caution), then per nested block c of QB2 values v = a - offset (fp32):
@@ -24,8 +25,8 @@ Math, exactly (lean/reference/nf4.py is the same in numpy):
     search over code2 (pivot 127, steps 64 .. 1, then the nearer neighbour by fp32 midpoints)
   dequantise: A_b = code2[absmax_b] * absmax2[b / QB2] + offset   (two fp32 roundings, no FMA)
               W   = code[q] * A_b, rounded once to the output dtype
-Kernels that compute A_b are launched with enable_fp_fusion=False so the product and the sum round
-separately, as bitsandbytes' two kernels do.
+A_b's product is an explicit mul.rn on a GPU, so that it is never contracted with the sum into an
+FMA: it rounds separately, as in bitsandbytes' two kernels.
 
 nf4_tile is the GEMMs' decoder: a (ROWS, COLS) fp32 tile of W from the packed bytes, the block
 absmax decoded per (row, block) and broadcast; the same bits as nf4_dequant writes before the
@@ -127,20 +128,41 @@ def fill_tables(q: Nf4):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# Kernels. PTX: compiled for a GPU (True) or run by the interpreter (False, numpy's exact fp32).
+
+@triton.jit
+def _rcp(x, PTX: tl.constexpr):
+    """1 / x as bitsandbytes' CUDA build computes it (nvcc --use_fast_math: rcp.approx.ftz.f32, within
+    one ulp, +inf at 0); the interpreter divides exactly."""
+    if PTX:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """a * b rounded on its own, never contracted with a following add into an FMA."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
 
 @triton.jit
 def _nf4_quantize_kernel(
     packed_ptr, absmax_ptr,                       # out: (nb, QB/2) uint8; (nb,) fp32 block absmax
     w_ptr, bounds_ptr,                            # in: (nb, QB) values; (16,) fp32, 15 used
     nb,
-    BLOCKS: tl.constexpr, QB: tl.constexpr,
+    BLOCKS: tl.constexpr, QB: tl.constexpr, PTX: tl.constexpr,
 ):
     rb = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     ok = rb < nb
     x = tl.load(w_ptr + rb[:, None] * QB + tl.arange(0, QB)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     a = tl.max(tl.abs(x), axis=1)                                      # (BLOCKS,)
-    inv = tl.math.div_rn(tl.full((BLOCKS,), 1.0, tl.float32), tl.where(ok, a, 1.0))  # a zero block: inf, as CUDA
+    inv = _rcp(tl.where(ok, a, 1.0), PTX)                            # a zero block: inf, as CUDA
     s = x * inv[:, None]
     q = tl.zeros((BLOCKS, QB), dtype=tl.int32)
     for j in tl.static_range(15):
@@ -193,31 +215,30 @@ def _nested_quantize_kernel(
     q_ptr, absmax2_ptr,                           # out: (nb,) uint8; (nb2,) fp32
     a_ptr, offset_ptr, code2_ptr,                 # in: (nb,) fp32 block absmax; (1,); (256,)
     nb,
-    QB2: tl.constexpr,
+    QB2: tl.constexpr, PTX: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * QB2 + tl.arange(0, QB2)
     ok = r < nb
     v = tl.load(a_ptr + r, mask=ok, other=0.0) - tl.load(offset_ptr)
     v = tl.where(ok, v, 0.0)
     a2 = tl.max(tl.abs(v), axis=0)
-    inv = tl.math.div_rn(1.0, a2)
-    q = _dquantize(code2_ptr, v * inv)
+    q = _dquantize(code2_ptr, v * _rcp(a2, PTX))
     tl.store(q_ptr + r, q.to(tl.uint8), mask=ok)
     tl.store(absmax2_ptr + tl.program_id(0), a2)
 
 
 @triton.jit
-def block_absmax(aq_ptr, absmax2_ptr, code2_ptr, offset, blk, ok, QB2: tl.constexpr):
+def block_absmax(aq_ptr, absmax2_ptr, code2_ptr, offset, blk, ok, QB2: tl.constexpr, PTX: tl.constexpr):
     """A_b = code2[absmax[b]] * absmax2[b / QB2] + offset for block indices blk (any shape; 0 where
-    not ok). Launch with enable_fp_fusion=False: the product and the sum round separately."""
+    not ok); the product and the sum round separately, as bitsandbytes' two kernels do."""
     aq = tl.load(aq_ptr + blk, mask=ok, other=0).to(tl.int32)
-    return tl.load(code2_ptr + aq) * tl.load(absmax2_ptr + blk // QB2, mask=ok, other=0.0) + offset
+    return _mul_rn(tl.load(code2_ptr + aq), tl.load(absmax2_ptr + blk // QB2, mask=ok, other=0.0), PTX) + offset
 
 
 @triton.jit
 def nf4_tile(packed_ptr, aq_ptr, absmax2_ptr, code2_ptr, code_ptr, offset,
              rows, row_ok, c0, K,
-             COLS: tl.constexpr, QB: tl.constexpr, QB2: tl.constexpr):
+             COLS: tl.constexpr, QB: tl.constexpr, QB2: tl.constexpr, PTX: tl.constexpr):
     """W[rows, c0 : c0 + COLS] (ROWS, COLS) fp32, 0 outside (row_ok, < K). c0 a multiple of
     min(COLS, QB); rows int64. The bytes of a row are contiguous (K/2 a row)."""
     SUB: tl.constexpr = COLS if COLS < QB else QB
@@ -231,7 +252,7 @@ def nf4_tile(packed_ptr, aq_ptr, absmax2_ptr, code2_ptr, code_ptr, offset,
     cb = c0 + tl.arange(0, NBLK) * SUB
     ok = row_ok[:, None] & (cb < K)[None, :]
     am = block_absmax(aq_ptr, absmax2_ptr, code2_ptr, offset, rows[:, None] * (K // QB) + (cb // QB)[None, :],
-                      ok, QB2)                                          # (ROWS, NBLK)
+                      ok, QB2, PTX)                                     # (ROWS, NBLK)
     vals = tl.reshape(tl.reshape(vals, (ROWS, NBLK, SUB)) * am[:, :, None], (ROWS, COLS))
     col_ok = (c0 + tl.arange(0, COLS)) < K
     return tl.where(row_ok[:, None] & col_ok[None, :], vals, 0.0)
@@ -242,18 +263,25 @@ def _nf4_dequant_kernel(
     out_ptr,                                      # out: (nb, QB) values
     packed_ptr, aq_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
     nb,
-    BLOCKS: tl.constexpr, QB: tl.constexpr, QB2: tl.constexpr,
+    BLOCKS: tl.constexpr, QB: tl.constexpr, QB2: tl.constexpr, PTX: tl.constexpr,
 ):
     rb = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     ok = rb < nb
     vals = nf4_tile(packed_ptr, aq_ptr, absmax2_ptr, code2_ptr, code_ptr, tl.load(offset_ptr),
-                    rb, ok, 0, QB, COLS=QB, QB=QB, QB2=QB2)
+                    rb, ok, 0, QB, COLS=QB, QB=QB, QB2=QB2, PTX=PTX)
     tl.store(out_ptr + rb[:, None] * QB + tl.arange(0, QB)[None, :], vals.to(out_ptr.dtype.element_ty),
              mask=ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
+
+def ptx():
+    """The kernels' PTX flag: compiled for a GPU (not the interpreter)."""
+    from lean.kernels.gemm import interpreting
+
+    return not interpreting()
+
 
 def _blocks(blocksize):
     return max(1, 2048 // blocksize)                  # 2048 values a program (untuned)
@@ -291,14 +319,14 @@ def nf4_quantize(q: Nf4, w, *, offset=None):
     a = torch.empty(nb, dtype=torch.float32, device=w.device)                       # (nb,) block absmax
     bounds = torch.tensor(NF4_BOUNDS + (0.0,), dtype=torch.float32).to(w.device)
     B = _blocks(q.blocksize)
-    _nf4_quantize_kernel[(triton.cdiv(nb, B),)](q.packed, a, w, bounds, nb, BLOCKS=B, QB=q.blocksize)
+    _nf4_quantize_kernel[(triton.cdiv(nb, B),)](q.packed, a, w, bounds, nb, BLOCKS=B, QB=q.blocksize, PTX=ptx())
     if offset is None:
         _mean_kernel[(1,)](q.offset, a, nb, float(np.float32(1.0) / np.float32(nb)), BLOCK=1024)
     else:
         check(offset, "offset", shape=(1,), dtype=torch.float32, device=w.device)
         q.offset.copy_(offset)
     _nested_quantize_kernel[(triton.cdiv(nb, QB2),)](q.absmax, q.absmax2, a, q.offset, q.code2, nb, QB2=QB2,
-                                                     enable_fp_fusion=False)
+                                                     PTX=ptx())
 
 
 def nf4_dequant(out, q: Nf4):
@@ -310,7 +338,7 @@ def nf4_dequant(out, q: Nf4):
         return
     B = _blocks(q.blocksize)
     _nf4_dequant_kernel[(triton.cdiv(nb, B),)](out, q.packed, q.absmax, q.absmax2, q.code2, q.offset, q.code, nb,
-                                               BLOCKS=B, QB=q.blocksize, QB2=QB2, enable_fp_fusion=False)
+                                               BLOCKS=B, QB=q.blocksize, QB2=QB2, PTX=ptx())
 
 
 def empty_nf4(O, K, device, blocksize=QB):

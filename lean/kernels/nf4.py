@@ -60,11 +60,27 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
             0.7229568362236023, 1.0)
 # Its CUDA quantiser's thresholds (csrc dQuantizeNF4's float literals, ascending): the midpoints of
-# adjacent NF4 values, each rounded to fp32.
+# adjacent NF4 values. As `...f` literals the compiler rounds each decimal straight to fp32; several sit
+# next to an fp32 tie, where Python's float -> fp32 (two roundings) goes the other way: bounds_f32().
 NF4_BOUNDS = (-0.8480964004993439, -0.6106329262256622, -0.4599952697753906, -0.33967943489551544,
               -0.23460740596055984, -0.13791173323988914, -0.045525018125772476, 0.03979014977812767,
               0.1202552504837513, 0.2035212516784668, 0.2920137718319893, 0.3893125355243683,
               0.5016634166240692, 0.6427869200706482, 0.8614784181118011)
+
+
+def bounds_f32():
+    """NF4_BOUNDS as the CUDA compiler reads its literals: each decimal rounded once, to the nearest fp32
+    (4 of the 15 differ by one ulp from np.float32(float(literal)))."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    out = []
+    for t in NF4_BOUNDS:
+        exact = Fraction(Decimal(repr(t)))
+        f = np.float32(t)
+        near = [np.nextafter(f, np.float32(-2)), f, np.nextafter(f, np.float32(2))]
+        out.append(float(min(near, key=lambda c: abs(Fraction(float(c)) - exact))))
+    return out
 
 
 def dynamic_map():
@@ -317,7 +333,7 @@ def nf4_quantize(q: Nf4, w, *, offset=None):
     if nb == 0:
         return
     a = torch.empty(nb, dtype=torch.float32, device=w.device)                       # (nb,) block absmax
-    bounds = torch.tensor(NF4_BOUNDS + (0.0,), dtype=torch.float32).to(w.device)
+    bounds = torch.tensor(bounds_f32() + [0.0], dtype=torch.float32).to(w.device)
     B = _blocks(q.blocksize)
     _nf4_quantize_kernel[(triton.cdiv(nb, B),)](q.packed, a, w, bounds, nb, BLOCKS=B, QB=q.blocksize, PTX=ptx())
     if offset is None:

@@ -60,7 +60,7 @@ def quantize_nf4_ref(w, blocksize=64, offset=None):
     """(packed (O, K/2) uint8, absmax (nb,) uint8, absmax2 (nb2,) fp32, offset fp32) of w (a torch
     tensor, any float dtype). offset None: the mean of the block absmax, float64 sum rounded to
     fp32, times fp32(1/nb)."""
-    from lean.kernels.nf4 import NF4_BOUNDS
+    from lean.kernels.nf4 import bounds_f32
 
     x = w.detach().float().cpu().numpy().astype(F32).reshape(-1, blocksize)      # (nb, QB)
     a = np.abs(x).max(axis=1).astype(F32)                                          # (nb,)
@@ -68,7 +68,7 @@ def quantize_nf4_ref(w, blocksize=64, offset=None):
         inv = (F32(1.0) / a).astype(F32)
         s = (x * inv[:, None]).astype(F32)
         q = np.zeros(x.shape, dtype=np.int32)
-        for t in NF4_BOUNDS:                                  # the CUDA comparison tree: #{t < s}
+        for t in bounds_f32():                                # the CUDA comparison tree: #{t < s}
             q += (s > F32(t)).astype(np.int32)
     q = q.reshape(-1)
     packed = ((q[0::2] << 4) | q[1::2]).astype(np.uint8).reshape(w.shape[0], -1)

@@ -254,7 +254,7 @@ MAX_DOCS = 64  # StepGraph's document slots: the layout's document count rounded
 LEAN_TARGETS = {"lean": "all", "lean-attn": "q,k,v,o"}  # lean.LoRA.init's targets per lean framework key
 
 
-def lean_setup(name, layout, smoke=False, targets="all"):
+def lean_setup(name, layout, smoke=False, targets="all", budget_gib=None):
     """Everything lean's row steps: (lean, model, lora, opt, docs, batches, device). docs: two
     batches of random token ids in the layout's document lengths; batches: them packed for the
     eager step (lean.pack, shapes of the batch itself). targets: lean.LoRA.init's ("all": q,k,v,o,
@@ -262,9 +262,12 @@ def lean_setup(name, layout, smoke=False, targets="all"):
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     lean, model = random_model(name, device, dtype, smoke)
+    total = SMOKE_TOKENS if smoke else TOKENS
+    if budget_gib is not None and cuda:  # as lean-train: the embedding leaves before the LoRA state arrives
+        from lean.runtime.planner import early_plan
+        early_plan(model, 16, targets, 0.0, total, budget_gib)
     lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
-    total = SMOKE_TOKENS if smoke else TOKENS
     rng = np.random.default_rng(1)
     docs = [[rng.integers(0, model.config.vocab, n).tolist() for n in doc_lengths(layout, total)] for _ in range(2)]
     batches = [lean.pack(d, max_tokens=total, device=device) for d in docs]
@@ -359,7 +362,7 @@ def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, bud
     plan_for's activation plan for that VRAM budget (recompute / offload; flagged as checkpointing
     when any layer is not kept). smoke: fp32 on the CPU through the interpreter (TRITON_INTERPRET=1
     must be set before triton is imported); no graph there."""
-    lean, model, lora, opt, docs, batches, device = lean_setup(name, layout, smoke, targets)
+    lean, model, lora, opt, docs, batches, device = lean_setup(name, layout, smoke, targets, budget_gib)
     cuda = device == "cuda"
     total = batches[0].n_tokens
     plan = lean_plan(model, lora, total, budget_gib)

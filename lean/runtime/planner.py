@@ -107,6 +107,18 @@ def host_memory_bytes():
         return 0
 
 
+def early_plan(model, r, targets, dropout, n_tokens, budget_gib):
+    """plan_for before the LoRA state exists (its rank, targets and dropout are all a plan reads): a plan
+    that moves the embedding table to the host moves it now, so that the adapter's buffers and AdamW's
+    moments are never allocated beside it (Qwen3-8B in NF4 at a 6 GiB budget would peak there)."""
+    from types import SimpleNamespace
+
+    from .lora import _normalise_targets
+
+    spec = SimpleNamespace(r=r, targets=_normalise_targets(targets), dropout=dropout)
+    return plan_for(model, spec, n_tokens, budget_bytes=int(budget_gib * 2**30))
+
+
 def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
     from the model's tensors on the GPU; pinned host memory is held to half of this machine's memory;

@@ -83,7 +83,7 @@ from .graph import StepGraph
 from .optim import AdamW
 from ..kernels.arch import describe
 from .plan import SLACK
-from .planner import format_plan, plan_for
+from .planner import early_plan, format_plan, plan_for
 from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
 from .step import forward_backward, loss_eval
@@ -411,6 +411,8 @@ def _load(cfg, device, dtype_name, dtype):
     resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
     try:
         model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
+        if cfg.vram_budget is not None and device.startswith("cuda"):
+            early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens, cfg.vram_budget)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
                         for b in pack_batches(heldout, eval_budget(cfg, device), shuffle=False)] if heldout else []
         lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,

@@ -158,9 +158,11 @@ def merge_run(cfg, adapter_dir):
     from .runtime.merge import merge_and_save
     from .runtime.train import resolve_device_dtype, resolve_model
 
-    device, dtype_name, _ = resolve_device_dtype(cfg)
+    device, dtype_name, dtype = resolve_device_dtype(cfg)
     folder = resolve_model(cfg.model, dtype_name)
-    model = load_model(folder, dtype=torch.float32, device=device, quant=cfg.quant)  # the base the adapter trained on
+    # the base the adapter trained on: NF4 quantised from the run's dtype (its weights cast as the run's
+    # were), every GEMM of the merge in fp32 on them; otherwise the weights widened to fp32
+    model = load_model(folder, dtype=dtype if cfg.quant else torch.float32, device=device, quant=cfg.quant)
     lora = LoRA.load(model, adapter_dir)
     out_dtype = "float32" if dtype_name == "float32" else "bfloat16"
     # out/merged belongs to this run (--overwrite cleared an earlier run's): replace it

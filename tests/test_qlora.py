@@ -142,3 +142,36 @@ def test_refuses_widths_off_the_block(tmp_path):
     build_hf("llama", _seed()).save_pretrained(tmp_path / "m")
     with pytest.raises(ModelLoadError, match="intermediate 96"):
         lean.load_model(tmp_path / "m", dtype=torch.float32, device=DEVICE, quant="nf4")
+
+
+def test_lean_train_load_in_4bit_and_merge(tmp_path, capsys):
+    """lean-train --load-in-4bit trains on the NF4 model and --merge writes the dequantised base plus
+    the adapter in the model dtype, without quantization_config, and says so."""
+    from safetensors import safe_open
+
+    from lean.cli import main
+    from tests.test_train import _records, _write_tokenizer
+
+    seed = _seed()
+    _hf("llama", seed).save_pretrained(tmp_path / "model")
+    _write_tokenizer(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(np.random.default_rng(seed))))
+    out = tmp_path / "run"
+    rc = main(["--model", str(tmp_path / "model"), "--data", str(data), "--out", str(out), "--steps", "2",
+               "--max-tokens", "64", "--r", "2", "--save-every", "0", "--quiet", "--device", "cpu",
+               "--load-in-4bit", "--merge"])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    assert "NF4 projections were dequantised" in text.out
+    cfg = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
+    lora = lean.LoRA.load(model, out / "adapter")
+    with safe_open(str(out / "merged" / "model.safetensors"), framework="pt") as f:
+        merged = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    ad = lora.layers[0]["q"]
+    want = model.layers[0].q.dense().cpu() + lora.scale * (ad.b.cpu() @ ad.a.cpu())
+    assert merged.dtype == torch.float32 and torch.allclose(merged, want, rtol=1e-5, atol=1e-6)
+    state = json.loads((out / "checkpoint" / "state.json").read_text()) if (out / "checkpoint").exists() else None
+    assert state is None or state["config"]["quant"] == "nf4"

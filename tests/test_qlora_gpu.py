@@ -86,8 +86,19 @@ def test_qlora_step_bf16_against_bnb(tmp_path, config, monkeypatch):
     ref.load_state_dict(sd)
     ref_loss, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(ref.eval(), lora), docs, device="cuda")
     del ref
-    lp_loss, _, lp_grads = hf_loss_and_grads(peft_wrap(hfq, lora), docs, device="cuda")  # HF + PEFT on bnb-4bit
+    pm = peft_wrap(hfq, lora)
+    lp_loss, _, lp_grads = hf_loss_and_grads(pm, docs, device="cuda")  # HF + PEFT on bnb-4bit
     assert n == ref_n
+    # lean's saved adapter loads on the bnb-4bit checkpoint in PEFT and gives PEFT's own logits
+    from peft import PeftModel
+
+    lora.save(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "bnb", device_map="cuda"),
+                                       tmp_path / "adapter").eval()
+    ids = torch.tensor([docs[0][:64]], device="cuda")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+    del loaded
     for fused, (loss, ours) in runs.items():
         v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name=f"loss (fused {fused})")
         assert v.ok, v.text

@@ -97,7 +97,8 @@ def test_qlora_step_bf16_against_bnb(tmp_path, config, monkeypatch):
                                        tmp_path / "adapter").eval()
     ids = torch.tensor([docs[0][:64]], device="cuda")
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+        got, want = loaded(input_ids=ids).logits.float(), pm(input_ids=ids).logits.float()
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # the same model: equal up to kernel choice
     del loaded
     for fused, (loss, ours) in runs.items():
         v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name=f"loss (fused {fused})")

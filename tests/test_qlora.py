@@ -175,3 +175,70 @@ def test_lean_train_load_in_4bit_and_merge(tmp_path, capsys):
     assert merged.dtype == torch.float32 and torch.allclose(merged, want, rtol=1e-5, atol=1e-6)
     state = json.loads((out / "checkpoint" / "state.json").read_text()) if (out / "checkpoint").exists() else None
     assert state is None or state["config"]["quant"] == "nf4"
+
+
+def test_qlora_moe_step_matches_hf_peft(tmp_path):
+    """Qwen3-MoE with quant="nf4": an MoE layer's q, k, v, o in NF4 (its experts in fp32), a dense layer's
+    seven projections in NF4; the step against HF + PEFT on the dequantised weights."""
+    from tests.test_moe import _compare, moe_config
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    hf = build_hf("qwen3_moe", seed, config=moe_config(4, 2, True, [1], intermediate_size=128))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "model")
+    model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
+    assert isinstance(model.layers[0].q, Nf4) and isinstance(model.layers[0].gate_up, torch.Tensor)
+    assert isinstance(model.layers[1].down, Nf4)
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, t in model.hf_tensors(dequantised=True):
+            if name.endswith("_proj.weight"):
+                params[name].copy_(t)
+    lora = lean.LoRA.init(model, r=4, alpha=8, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in lora.layers:
+        for ad in layer.values():
+            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
+    lora.sync_lowp()
+    docs = [rng.integers(0, model.config.vocab, int(k)).tolist() for k in (7, 1, 30, 12)]
+    lora.zero_grad()
+    loss_sum, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=64, device=DEVICE))
+    ref_sum, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(hf, lora), docs)
+    assert _compare(lora, loss_sum, n, ref_sum, ref_n, ref_grads) == {}
+
+
+def test_qlora_gpt_oss_mxfp4_step_matches_hf_peft(tmp_path):
+    """gpt-oss with its experts in MXFP4 and quant="nf4": q, k, v, o (biased) in NF4 beside the MXFP4
+    tensors in one qbuf; the step against HF + PEFT on the dequantised weights."""
+    from lean.models.weights import Mxfp4
+    from tests.test_gpt_oss import _setup as oss_setup
+    from tests.test_gpt_oss import oss_config
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    hf, _, _ = oss_setup(tmp_path, oss_config(5, 2, intermediate_size=64), seed, mxfp4=True)
+    model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
+    assert isinstance(model.layers[0].q, Nf4) and isinstance(model.layers[0].gate_up, Mxfp4)
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, t in model.hf_tensors(dequantised=True):
+            if name.endswith("_proj.weight"):
+                params[name].copy_(t)
+    lora = lean.LoRA.init(model, r=4, alpha=8, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in lora.layers:
+        for ad in layer.values():
+            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
+    lora.sync_lowp()
+    docs = [rng.integers(0, model.config.vocab, n).tolist() for n in (9, 1, 17)]
+    lora.zero_grad()
+    loss_sum, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=64, device=DEVICE))
+    ref_sum, ref_n, ref_grads = hf_loss_and_grads(peft_wrap(hf, lora), docs)
+    assert n == ref_n and abs(loss_sum.item() - ref_sum.item()) <= 1e-5 * abs(ref_sum.item())
+    grads = lora.grad_state_dict()
+    bad = {k: e for k, ref in ref_grads.items() if (e := _rel_max(grads[k], ref)) > 1e-4}
+    assert not bad, f"seed {seed}: {bad}"

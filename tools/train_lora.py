@@ -43,6 +43,7 @@ heldout_fraction = 0.05
 eval_every = 25
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = "bfloat16" if device == "cuda" else "float32"
+quant = None              # "nf4": QLoRA, the base model's projections in 4-bit NF4 (lean-train --load-in-4bit)
 
 
 def apply_overrides(argv, names):
@@ -87,7 +88,7 @@ def main(argv):
         model_path = model
     folder = resolve_model(model_path, dtype)  # a .gguf is converted once and cached
     tok = Tokenizer.from_dir(folder)
-    m = lean.load_model(folder, dtype=getattr(torch, dtype), device=device)
+    m = lean.load_model(folder, dtype=getattr(torch, dtype), device=device, quant=quant)
     records = load_records(data or default_dataset())
     docs = tokenize_records(records, tok, max_len=max_tokens)
     train_docs, heldout = split_heldout(docs, heldout_fraction, seed=seed)

@@ -152,7 +152,7 @@ NF4_PARTS = ((".absmax", "absmax"), (".nested_absmax", "absmax2"), (".nested_qua
 def _quant_state(t, src, name):
     """The JSON object of a bitsandbytes quant state tensor (uint8 bytes)."""
     try:
-        return json.loads(bytes(t.reshape(-1).tolist()).decode())
+        return json.loads(bytes(t.reshape(-1).tolist()).decode())  # sync: set-up, a few hundred bytes of JSON at load
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{src}: {name} is not a bitsandbytes quant state ({e}): re-download the model") from e
 
@@ -180,7 +180,8 @@ def _nf4_config(cfg, names, quant, read):
                       if f"model.layers.{li}.{m}" not in have and f"model.layers.{li}.{m}.weight" in names)
     if block not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         raise ModelLoadError(f"{states[0]}: NF4 blocksize {block} is not one of bitsandbytes' (32 .. 4096)")
-    sizes = [cfg.hidden, cfg.intermediate, cfg.q_dim]
+    dense_mlp = any(not cfg.is_moe(li) for li in range(cfg.n_layers))  # an MoE layer's MLP stays unquantised
+    sizes = [cfg.hidden, cfg.q_dim] + [cfg.intermediate] * dense_mlp
     if any(n % block for n in sizes):
         raise ModelLoadError(f"NF4 blocks of {block} must divide every projection's input width (hidden "
                              f"{cfg.hidden}, intermediate {cfg.intermediate}, heads x head_dim {cfg.q_dim}): "

@@ -26,6 +26,26 @@ def _seed():
     return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
+def _on_dequantised(hf, model, seed, r=8, alpha=16):
+    """hf's projection weights set to model's NF4 ones, dequantised (fp32), and a LoRA of model with
+    B drawn (PEFT inits it at zero: every dA then non-trivial). Returns the number of weights set."""
+    params = dict(hf.named_parameters())
+    n = 0
+    with torch.no_grad():
+        for name, t in model.hf_tensors(dequantised=True):
+            if name.endswith("_proj.weight"):
+                assert not torch.equal(params[name].cpu(), t.cpu())  # quantised: not the float weight
+                params[name].copy_(t)
+                n += 1
+    lora = lean.LoRA.init(model, r=r, alpha=alpha, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in lora.layers:
+        for ad in layer.values():
+            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
+    lora.sync_lowp()
+    return lora, n
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_qlora_step_matches_hf_peft(tmp_path, arch, fused, monkeypatch):
@@ -40,21 +60,8 @@ def test_qlora_step_matches_hf_peft(tmp_path, arch, fused, monkeypatch):
     assert model.config.weight_quant == "nf4"
     for layer in model.layers:
         assert all(isinstance(getattr(layer, t), Nf4) for t in ("q", "k", "v", "o", "gate", "up", "down"))
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        n = 0
-        for name, t in model.hf_tensors(dequantised=True):
-            if name.endswith("_proj.weight"):
-                assert not torch.equal(params[name].cpu(), t.cpu())  # quantised: not the bf16 weight
-                params[name].copy_(t)
-                n += 1
-        assert n == 7 * model.config.n_layers
-    lora = lean.LoRA.init(model, r=8, alpha=16, targets="all", seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for layer in lora.layers:
-        for ad in layer.values():
-            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
-    lora.sync_lowp()
+    lora, n = _on_dequantised(hf, model, seed)
+    assert n == 7 * model.config.n_layers
     docs = [rng.integers(0, model.config.vocab, int(k)).tolist() for k in rng.integers(1, 24, 4)] + [[5]]
     batch = lean.pack(docs, max_tokens=128, device=DEVICE)
     lora.zero_grad()
@@ -193,17 +200,7 @@ def test_qlora_moe_step_matches_hf_peft(tmp_path):
     model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
     assert isinstance(model.layers[0].q, Nf4) and isinstance(model.layers[0].gate_up, torch.Tensor)
     assert isinstance(model.layers[1].down, Nf4)
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        for name, t in model.hf_tensors(dequantised=True):
-            if name.endswith("_proj.weight"):
-                params[name].copy_(t)
-    lora = lean.LoRA.init(model, r=4, alpha=8, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for layer in lora.layers:
-        for ad in layer.values():
-            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
-    lora.sync_lowp()
+    lora, _ = _on_dequantised(hf, model, seed, r=4, alpha=8)
     docs = [rng.integers(0, model.config.vocab, int(k)).tolist() for k in (7, 1, 30, 12)]
     lora.zero_grad()
     loss_sum, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=64, device=DEVICE))
@@ -223,17 +220,7 @@ def test_qlora_gpt_oss_mxfp4_step_matches_hf_peft(tmp_path):
     hf, _, _ = oss_setup(tmp_path, oss_config(5, 2, intermediate_size=64), seed, mxfp4=True)
     model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")
     assert isinstance(model.layers[0].q, Nf4) and isinstance(model.layers[0].gate_up, Mxfp4)
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        for name, t in model.hf_tensors(dequantised=True):
-            if name.endswith("_proj.weight"):
-                params[name].copy_(t)
-    lora = lean.LoRA.init(model, r=4, alpha=8, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for layer in lora.layers:
-        for ad in layer.values():
-            ad.b.copy_(torch.randn(ad.b.shape, generator=g) * 0.05)
-    lora.sync_lowp()
+    lora, _ = _on_dequantised(hf, model, seed, r=4, alpha=8)
     docs = [rng.integers(0, model.config.vocab, n).tolist() for n in (9, 1, 17)]
     lora.zero_grad()
     loss_sum, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=64, device=DEVICE))

@@ -324,7 +324,7 @@ def fwd_prepass(x, w, a, dropout=0.0):
     and pass xa_ready. An NF4 weight takes that path through its dequantised scratch copy only."""
     macs = x.shape[0] * x.shape[1] * w.shape[0]
     if isinstance(w, Nf4):
-        return dropout == 0.0 and not nf4_fused(x.shape[0], x.shape[1], w.shape[0], x.device) and tma_ok(x, a, macs=macs)
+        return dropout == 0.0 and not nf4_fused(x.shape[0], x.shape[1], w.shape[0]) and tma_ok(x, a, macs=macs)
     return dropout == 0.0 and tma_ok(x, w, a, macs=macs)
 
 
@@ -352,7 +352,7 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
     if N == 0:
         return
     nf4 = isinstance(w, Nf4)
-    if nf4 and not nf4_fused(N, K, O, x.device):
+    if nf4 and not nf4_fused(N, K, O):
         lora_linear_fwd(y, xa, x, _nf4_scratch(w, x.dtype), a, b, scale, bias=bias, dropout=dropout, seed=seed,
                         xa_ready=xa_ready)
         return
@@ -399,7 +399,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     if N == 0:
         return
     nf4 = isinstance(w, Nf4) and dx is not None  # without dx the kernel never reads W
-    if nf4 and not nf4_fused(N, K, O, dev):
+    if nf4 and not nf4_fused(N, K, O):
         lora_linear_bwd(dx, da, db, dy, x, xa, _nf4_scratch(w, dt), a, b, scale, dropout=dropout, seed=seed,
                         accumulate_dx=accumulate_dx, dyb=dyb)
         return

@@ -375,7 +375,7 @@ def empty_nf4(O, K, device, blocksize=QB):
 FUSED = None  # None: nf4_fused's per-shape choice; True / False: forced (tests, tools/gemm_tune.py)
 
 
-def nf4_fused(N, K, O, device=None):
+def nf4_fused(N, K, O):
     """True: the GEMM decodes W's NF4 tiles in registers; False: W is dequantised into an (O, K)
     scratch buffer first and the 16-bit kernels (the TMA ones on Hopper) run on it.
     Measured (H100, bf16, N 8192, R 16, the Qwen3-8B / 14B shapes, tools/nf4_bench.py, BENCHMARKS.md):

@@ -10,7 +10,8 @@ kernel, its arguments and options instead of launching. What runs per preset mod
 every layer launches the same kernels): the eager step over a packed 8192-token batch (documents
 of 1 token up to the longest), the same inside gemm.tma_at_every_size (what StepGraph captures:
 TMA at every size where the arch takes it), a rebuilt-in-backward plan (the deferred dA kernels),
-LoRA dropout, AdamW, evaluation (loss_eval) and a short batch, the logits GEMM, and generation's
+LoRA dropout, AdamW, evaluation (loss_eval) and a short batch, the logits GEMM, the loss and logits
+with the lm_head streamed from the host (head_host.py), and generation's
 cached forward and argmax. Kernels no step launches (the dropout-mask test kernel, attention's
 TMA loops forced) are called directly. Then each distinct (kernel, specialization, options) is
 compiled by triton.compile for GPUTarget("cuda", cc, 32) with Triton's own ptxas, and its
@@ -142,6 +143,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     from lean.models.dense import Ctx
     from lean.models.weights import empty_model
     from lean.runtime.generate import _forward_cached
+    from lean.runtime.head_host import head_to_host
     from lean.runtime.plan import KEEP, RECOMPUTE, make_plan
 
     cfg = config_from_hf({**hf_config, "num_hidden_layers": 2})
@@ -167,6 +169,12 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         lean.forward_backward(model, lora, big, plan=plan)
         lean.loss_eval(model, lora, big)
         lean.forward(model, lora, small)
+        # the lm_head streamed from the host (plan.head_host): the loss and the logits by vocabulary chunks
+        streamed = empty_model(cfg, dtype, META)
+        head_to_host(streamed)
+        lean.forward_backward(streamed, lora, big)
+        lean.loss_eval(streamed, lora, big)
+        lean.forward(streamed, lora, small)
         if moe:  # the load-balancing loss (off in the preset): router probability sums and moe_aux
             aux = empty_model(config_from_hf({**hf_config, "num_hidden_layers": 2, "output_router_logits": True}),
                               dtype, META)

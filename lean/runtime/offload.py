@@ -188,7 +188,7 @@ def measure_rates(model, n_tokens, repeats=9):
         gu = model.layers[0].gate_up  # q (Oq, C) where the experts are MXFP4 pairs
         w = gu.reshape(-1, C)[:F] if isinstance(gu, torch.Tensor) else model.layers[0].q[:F]
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
-    x = model.lm_head[:N]  # (N, C): real rows, no zeros (on the GPU: an untied embed may be on the host)
+    x = model.lm_head[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the head may be on the host)
 
     def timed(fn):
         fn()  # warm-up (compiles the GEMM)

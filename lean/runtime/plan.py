@@ -71,7 +71,9 @@ one plan, and the scheduler gives MoE layers no up slot.
 
 The planner (lean/runtime/planner.py) picks the modes, and for an untied model whether the frozen
 embedding table lives in pinned host memory (Plan.embed_host: its weights leave the GPU's count,
-its per-step gather is priced by embed_gather_cost); this module prices and sizes a given plan.
+its per-step gather is priced by embed_gather_cost), and whether the lm_head does (Plan.head_host,
+a tied table with it: the loss streams it in chunks, head_host_bytes / head_host_scratch /
+head_host_cost); this module prices and sizes a given plan.
 
 The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
 allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the
@@ -379,6 +381,33 @@ def linear_ce_scratch(N, V, C, act_bytes):
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
+def head_host_bytes(cfg, act_bytes):
+    """The lm_head's two chunk buffers on the GPU when it lives on the host (head_host.HostHead)."""
+    from .head_host import chunk_rows
+    return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes) * cfg.hidden * act_bytes
+
+
+def head_host_scratch(N, V, C, act_bytes):
+    """linear_ce_vchunk's allocations with the head on the host: the (N, Vc) logits chunk, m, s, x_t
+    and the row losses (N,) fp32, dh's fp32 accumulator (N, C) unless fp32, and the largest split-K
+    workspace of its chunk GEMMs (logits (N, Vc) over C, dh (N, C) over Vc)."""
+    from .head_host import chunk_rows
+    Vc = chunk_rows(V, C, act_bytes)
+    ws = max(splitk_workspace_bytes(N, Vc, C, act_bytes), splitk_workspace_bytes(N, C, Vc, act_bytes))
+    return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
+
+
+def head_host_cost(cfg, n_tokens, act_bytes, rates):
+    """Seconds the streamed head adds to a step: its 2n - 2 chunk copies over the link, less the three
+    lm_head GEMMs they hide under (two when the head is on the GPU: the third is added)."""
+    from .head_host import chunk_rows
+    V, C = cfg.vocab, cfg.hidden
+    Vc = chunk_rows(V, C, act_bytes)
+    n = -(-V // Vc)
+    gemm = 2 * n_tokens * V * C / rates.flops
+    return gemm + max(0.0, (2 * n - 2) * Vc * C * act_bytes / rates.h2d - 3 * gemm)
+
+
 def moe_step_bytes(cfg):
     """An MoE model's per-step buffers (step.moe_step): counts (E,) fp32, and with the aux loss on
     prob_sum, aux_grad (E,) fp32 and aux (1,) fp32. Each step makes them anew and model.cache
@@ -506,9 +535,10 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
                  mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0):
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
     """The step's activation bytes moment by moment, as step.py, dense.py and moe.py allocate and
-    free them; returns (high-water bytes, the moment it happens). Without LoRA dropout the waiting dA of
+    free them; returns (high-water bytes, the moment it happens). head_host: the loss streams the
+    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's). Without LoRA dropout the waiting dA of
     projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist.
     Each layer is priced as its kind (dense or MoE: cfg.is_moe) with its own LoRA targets."""
     N, C, V = n_tokens, cfg.hidden, cfg.vocab
@@ -546,7 +576,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
     s_d = xb + (0 if last == KEEP else xb)
     at("final norm", held + kind(len(modes) - 1).sent[last] + s_d + final)
     loss = 2 * 4
-    ce = linear_ce_scratch(N, V, C, act_bytes) + 4  # + the (1,) fp32 grad_scale it makes from a number
+    ce = (head_host_scratch if head_host else linear_ce_scratch)(N, V, C, act_bytes) + 4  # + the (1,) grad_scale
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
     at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
     base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
@@ -632,7 +662,8 @@ class Plan:
     budget_bytes: Optional[int] = None
     cost: float = 0.0  # predicted seconds over an all-keep step (plan_cost)
     rates: Rates = DEFAULT_RATES  # what the cost was priced with
-    embed_host: bool = False  # the (untied) embedding table lives in pinned host memory
+    embed_host: bool = False  # the embedding table lives in pinned host memory
+    head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -668,9 +699,11 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
-              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0):
+              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0,
+              head_host=False):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
-    tensors on the GPU (without the embedding table when embed_host)."""
+    tensors on the GPU (without the embedding table when embed_host, without the lm_head when
+    head_host: its two chunk buffers are added here; a tied table moves with the head)."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -678,14 +711,19 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout)
+    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
+    if head_host:
+        weights_bytes += head_host_bytes(cfg, act_bytes)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
                  constant_bytes(cfg, n_tokens), reload, act)
     cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
+    embed_host = bool(embed_host or (head_host and cfg.tie_embeddings))  # a tied table goes with the head
     if embed_host:
         cost += embed_gather_cost(cfg, n_tokens, act_bytes, rates)
+    if head_host:
+        cost += head_host_cost(cfg, n_tokens, act_bytes, rates)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
-                bool(embed_host))
+                embed_host, bool(head_host))

@@ -25,13 +25,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..kernels.embedding import embedding_fwd
-from ..kernels.gemm import matmul
-from ..kernels.linear_ce import linear_ce_fwd_bwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
 from ..kernels.moe_route import moe_aux
 from ..models.dense import Ctx, layer_backward, layer_forward
 from ..models.moe import MoeStep
+from .head_host import lm_head_logits, lm_head_loss
 from .offload import scheduler
 from .plan import KEEP, KEPT_ROWS, OFFLOADED
 
@@ -169,7 +168,7 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape, plan, sched)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
-    linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
+    lm_head_loss(loss, dnf, nf, model, batch.targets, grad_scale=grad_scale)  # streamed when on the host
     _aux_loss(loss, ctx, model.config, batch, grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
@@ -197,7 +196,7 @@ def forward(model, lora, batch):
     ctx = ctx._replace(dropout=0.0)
     nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
     logits = torch.empty(batch.n_tokens, model.config.vocab, dtype=model.dtype, device=nf.device)  # (N, V)
-    matmul(logits, nf, model.lm_head.t())
+    lm_head_logits(logits, nf, model)
     return logits
 
 
@@ -206,6 +205,6 @@ def loss_eval(model, lora, batch):
     ctx = make_ctx(model, lora, batch, seed=0)._replace(dropout=0.0)
     nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)
-    linear_ce_fwd_bwd(loss, None, nf, model.lm_head, batch.targets)
+    lm_head_loss(loss, None, nf, model, batch.targets)
     _aux_loss(loss, ctx, model.config, batch, 1.0)
     return loss[0:1], batch.n_targets

@@ -13,17 +13,13 @@ from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
 from lean.runtime.loader import ModelLoadError
 from tests.hf_models import build_hf, tiny_config
 from tests.test_step import _rel_max
-from tests.util import DEVICE, fresh_generator
+from tests.util import DEVICE, fresh_seed
 
 
 def _hf(arch, seed):
     cfg = tiny_config(arch)
     cfg.intermediate_size = 128  # every projection's input width a multiple of the NF4 block (64)
     return build_hf(arch, seed, config=cfg)
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
 def _on_dequantised(hf, model, seed, r=8, alpha=16):
@@ -52,7 +48,7 @@ def test_qlora_step_matches_hf_peft(tmp_path, arch, fused, monkeypatch):
     """load_model(quant="nf4") holds the seven projections in NF4; its LoRA step (fused NF4 decode
     or the scratch copy) equals HF + PEFT's on the dequantised weights: loss 1e-5, every grad 1e-4."""
     monkeypatch.setattr(nf4mod, "FUSED", fused)
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf = _hf(arch, seed)
     hf.save_pretrained(tmp_path / "model")
@@ -116,7 +112,7 @@ def test_prequantised_checkpoint(tmp_path):
     """A checkpoint in bitsandbytes' layout loads as NF4 without quant=, the same bits as quantising at
     load; a projection stored in float stays dense (quant_dense); missing parts, FP4 and a mismatched
     quant state are refused by name."""
-    hf = _hf("qwen3", _seed())
+    hf = _hf("qwen3", fresh_seed())
     hf.save_pretrained(tmp_path / "src")
     ref = lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="nf4")
     keep = "model.layers.1.mlp.down_proj"
@@ -146,7 +142,7 @@ def test_prequantised_checkpoint(tmp_path):
 
 def test_refuses_widths_off_the_block(tmp_path):
     """intermediate_size 96 is no multiple of 64: --load-in-4bit says so before loading."""
-    build_hf("llama", _seed()).save_pretrained(tmp_path / "m")
+    build_hf("llama", fresh_seed()).save_pretrained(tmp_path / "m")
     with pytest.raises(ModelLoadError, match="intermediate 96"):
         lean.load_model(tmp_path / "m", dtype=torch.float32, device=DEVICE, quant="nf4")
 
@@ -159,7 +155,7 @@ def test_lean_train_load_in_4bit_and_merge(tmp_path, capsys):
     from lean.cli import main
     from tests.test_train import _records, _write_tokenizer
 
-    seed = _seed()
+    seed = fresh_seed()
     _hf("llama", seed).save_pretrained(tmp_path / "model")
     _write_tokenizer(tmp_path / "model")
     data = tmp_path / "data.jsonl"
@@ -189,7 +185,7 @@ def test_qlora_moe_step_matches_hf_peft(tmp_path):
     seven projections in NF4; the step against HF + PEFT on the dequantised weights."""
     from tests.test_moe import _compare, moe_config
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf = build_hf("qwen3_moe", seed, config=moe_config(4, 2, True, [1], intermediate_size=128))
     with torch.no_grad():
@@ -215,7 +211,7 @@ def test_qlora_gpt_oss_mxfp4_step_matches_hf_peft(tmp_path):
     from tests.test_gpt_oss import _setup as oss_setup
     from tests.test_gpt_oss import oss_config
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, _, _ = oss_setup(tmp_path, oss_config(5, 2, intermediate_size=64), seed, mxfp4=True)
     model = lean.load_model(tmp_path / "model", dtype=torch.float32, device=DEVICE, quant="nf4")

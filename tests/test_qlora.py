@@ -8,9 +8,9 @@ import torch
 
 import lean
 import lean.kernels.nf4 as nf4mod
-from lean.kernels.nf4 import Nf4
+from lean.kernels.nf4 import Nf4, empty_nf4, nf4_quantize
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
-from lean.runtime.loader import ModelLoadError
+from lean.runtime.loader import NF4_STATE, ModelLoadError
 from tests.hf_models import build_hf, tiny_config
 from tests.test_step import _rel_max
 from tests.util import DEVICE, fresh_seed
@@ -73,33 +73,34 @@ def test_qlora_step_matches_hf_peft(tmp_path, arch, fused, monkeypatch):
         assert err <= 1e-4, f"{k}: relative error {err:.2e}"
 
 
-def _write_bnb(folder, model, src, dense=(), drop=None, state_edit=None):
+def _nf4_weights(model):
+    """{HF module name: Nf4} of model's NF4 projections."""
+    return {module: getattr(model.layers[li], t) for li in range(model.config.n_layers)
+            for t, module, _ in lean.models.weights.nf4_projections(model.config, li)}
+
+
+def _write_bnb(folder, weights, src, state_edit=None, edit=None):
     """A checkpoint in bitsandbytes' 4-bit layout (the names and shapes QuantState.as_dict(packed=True)
-    gives, as transformers saves a load_in_4bit model) of `model`'s NF4 projections, the other
-    tensors from src's checkpoint; `dense` projections (HF module names) kept in src's dtype."""
+    gives, as transformers saves a load_in_4bit model) of `weights` ({module: Nf4}), every other
+    tensor from src's checkpoint (a projection not in weights stays in src's dtype). state_edit(state)
+    changes each quant state's JSON object, edit(tensors) the tensors, before they are written."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(src / "model.safetensors"))
-    for li, layer in enumerate(model.layers):
-        for t, m in lean.models.weights.PROJECTIONS:
-            name = f"model.layers.{li}.{m}"
-            if name in dense:
-                continue
-            q = getattr(layer, t)
-            O, K = q.shape
-            tensors[f"{name}.weight"] = q.packed.reshape(-1, 1).cpu().clone()
-            tensors[f"{name}.weight.absmax"] = q.absmax.cpu().clone()
-            tensors[f"{name}.weight.quant_map"] = q.code.cpu().clone()
-            tensors[f"{name}.weight.nested_absmax"] = q.absmax2.cpu().clone()
-            tensors[f"{name}.weight.nested_quant_map"] = q.code2.cpu().clone()
-            state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [O, K],
-                     "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": q.offset.item()}
-            if state_edit:
-                state_edit(state)
-            tensors[f"{name}.weight.quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(state).encode()),
-                                                                                   dtype=torch.uint8)
-    if drop:
-        del tensors[drop]
+    for name, q in weights.items():
+        O, K = q.shape
+        tensors[f"{name}.weight"] = q.packed.reshape(-1, 1).cpu().clone()
+        tensors[f"{name}.weight.absmax"] = q.absmax.cpu().clone()
+        tensors[f"{name}.weight.quant_map"] = q.code.cpu().clone()
+        tensors[f"{name}.weight.nested_absmax"] = q.absmax2.cpu().clone()
+        tensors[f"{name}.weight.nested_quant_map"] = q.code2.cpu().clone()
+        state = {"quant_type": "nf4", "blocksize": q.blocksize, "dtype": "float32", "shape": [O, K],
+                 "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": q.offset.item()}
+        if state_edit:
+            state_edit(state)
+        tensors[f"{name}.weight{NF4_STATE}"] = _json_bytes(state)
+    if edit:
+        edit(tensors)
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
@@ -108,15 +109,26 @@ def _write_bnb(folder, model, src, dense=(), drop=None, state_edit=None):
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
+def _json_bytes(obj):
+    return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _assert_same_nf4(a, b, what):
+    assert a.blocksize == b.blocksize, what
+    for x, y in zip(a[:6], b[:6]):  # packed, absmax, absmax2, offset, code2, code
+        assert torch.equal(x.cpu(), y.cpu()), what
+
+
 def test_prequantised_checkpoint(tmp_path):
     """A checkpoint in bitsandbytes' layout loads as NF4 without quant=, the same bits as quantising at
-    load; a projection stored in float stays dense (quant_dense); missing parts, FP4 and a mismatched
-    quant state are refused by name."""
+    load; a projection stored in float stays dense (quant_dense); packed bytes stored as bf16
+    (bnb_4bit_quant_storage=bfloat16, FSDP-QLoRA's exports) load as the same bytes."""
     hf = _hf("qwen3", fresh_seed())
     hf.save_pretrained(tmp_path / "src")
     ref = lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="nf4")
     keep = "model.layers.1.mlp.down_proj"
-    _write_bnb(tmp_path / "bnb", ref, tmp_path / "src", dense=(keep,))
+    weights = _nf4_weights(ref)
+    _write_bnb(tmp_path / "bnb", {m: q for m, q in weights.items() if m != keep}, tmp_path / "src")
     got = lean.load_model(tmp_path / "bnb", dtype=torch.float32, device=DEVICE)
     assert got.config.weight_quant == "nf4" and got.config.quant_dense == (keep,)
     for li, (a, b) in enumerate(zip(ref.layers, got.layers)):
@@ -125,17 +137,94 @@ def test_prequantised_checkpoint(tmp_path):
                 assert isinstance(getattr(b, t), torch.Tensor)
                 assert torch.equal(b.down.cpu(), hf.model.layers[1].mlp.down_proj.weight.detach())
                 continue
-            for x, y in zip(getattr(a, t)[:6], getattr(b, t)[:6]):
-                assert torch.equal(x, y), (li, t)
-    _write_bnb(tmp_path / "missing", ref, tmp_path / "src", drop="model.layers.0.self_attn.k_proj.weight.absmax")
-    with pytest.raises(ModelLoadError, match=r"missing 1 tensor\(s\): model.layers.0.self_attn.k_proj.weight.absmax"):
-        lean.load_model(tmp_path / "missing", dtype=torch.float32, device=DEVICE)
-    _write_bnb(tmp_path / "block", ref, tmp_path / "src", state_edit=lambda s: s.update(shape=[1, 2]))
-    with pytest.raises(ModelLoadError, match="describes"):
-        lean.load_model(tmp_path / "block", dtype=torch.float32, device=DEVICE)
-    _write_bnb(tmp_path / "single", ref, tmp_path / "src", state_edit=lambda s: s.pop("nested_offset"))
-    with pytest.raises(ModelLoadError, match="without double quantisation"):
-        lean.load_model(tmp_path / "single", dtype=torch.float32, device=DEVICE)
+            _assert_same_nf4(getattr(a, t), getattr(b, t), (li, t))
+
+    def as_bf16(tensors):  # bitsandbytes' (n/4, 1) bf16 tensor of the same bytes
+        for m in weights:
+            tensors[f"{m}.weight"] = tensors[f"{m}.weight"].reshape(-1).view(torch.bfloat16).reshape(-1, 1).clone()
+
+    _write_bnb(tmp_path / "bf16_storage", weights, tmp_path / "src", edit=as_bf16)
+    got = _nf4_weights(lean.load_model(tmp_path / "bf16_storage", dtype=torch.float32, device=DEVICE))
+    assert got.keys() == weights.keys()
+    for m, q in got.items():
+        _assert_same_nf4(weights[m], q, m)
+
+
+@pytest.mark.parametrize("blocksize", [32, 128])
+def test_prequantised_blocksizes(tmp_path, blocksize):
+    """A checkpoint quantised in blocks of 32 or 128 (bnb_4bit_blocksize) loads in the file's blocksize,
+    every part as written."""
+    cfg = tiny_config("qwen3")
+    cfg.hidden_size = cfg.intermediate_size = 128  # every input width a multiple of 128 (heads x head_dim 128)
+    hf = build_hf("qwen3", fresh_seed(), config=cfg)
+    hf.save_pretrained(tmp_path / "src")
+    weights = {}
+    for name, p in hf.named_parameters():
+        if name.endswith("_proj.weight"):
+            q = empty_nf4(*p.shape, DEVICE, blocksize)
+            nf4_quantize(q, p.detach().to(DEVICE).contiguous())
+            weights[name.removesuffix(".weight")] = q
+    assert len(weights) == 7 * cfg.num_hidden_layers
+    _write_bnb(tmp_path / "bnb", weights, tmp_path / "src")
+    model = lean.load_model(tmp_path / "bnb", dtype=torch.float32, device=DEVICE)
+    assert model.config.quant_block == blocksize and model.config.quant_dense == ()
+    got = _nf4_weights(model)
+    assert got.keys() == weights.keys()
+    for m, q in got.items():
+        _assert_same_nf4(weights[m], q, m)
+
+
+def test_prequantised_refusals(tmp_path):
+    """What lean cannot read from a bitsandbytes checkpoint is refused in one line naming it: FP4, a
+    broken or missing quant state, a missing packed weight, quant states on modules lean does not hold
+    in NF4 (the lm_head, transformers 4's per-expert projections: the check reads names only, so a
+    dense model serves), packed bytes of the wrong size in another dtype, blocks wider than the rows."""
+    hf = _hf("qwen3", fresh_seed())
+    hf.save_pretrained(tmp_path / "src")
+    weights = _nf4_weights(lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="nf4"))
+    W = "model.layers.0.self_attn.k_proj.weight"
+    parts = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", NF4_STATE)
+
+    def fp4(tensors):
+        for n in [n for n in tensors if n.endswith(NF4_STATE)]:
+            tensors[n.replace("__nf4", "__fp4")] = tensors.pop(n)
+
+    def stored_like_w(*modules):  # W's packed bytes and parts under other modules' names
+        def edit(tensors):
+            for m in modules:
+                tensors[f"{m}.weight"] = tensors[W].clone()
+                for s in parts:
+                    tensors[f"{m}.weight{s}"] = tensors[W + s].clone()
+        return edit
+
+    def drop_states(tensors):
+        for n in [n for n in tensors if n.endswith(NF4_STATE)]:
+            del tensors[n]
+
+    experts = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj")]
+    cases = {  # folder: (state_edit, edit, the error's words)
+        "fp4": (lambda s: s.update(quant_type="fp4"), fp4, "holds bitsandbytes FP4 weights; lean reads NF4 only"),
+        "shape": (lambda s: s.update(shape=[1, 2]), None, "describes"),
+        "single": (lambda s: s.pop("nested_offset"), None, "without double quantisation"),
+        "json": (None, lambda t: t.update({W + NF4_STATE: torch.tensor(list(b"{oops"), dtype=torch.uint8)}),
+                 f"{W}{NF4_STATE} is not a bitsandbytes quant state"),
+        "no_part": (None, lambda t: t.pop(W + ".absmax"), rf"missing 1 tensor\(s\): {W}\.absmax:"),
+        "no_state": (None, lambda t: t.pop(W + NF4_STATE), rf"missing 1 tensor\(s\): {W}{NF4_STATE}:"),
+        "no_states": (None, drop_states, f"{NF4_STATE} is missing"),
+        "no_packed": (None, lambda t: t.pop(W), rf"missing 1 tensor\(s\): {W}:"),
+        "lm_head": (None, stored_like_w("lm_head"), r"^lm_head is stored in NF4, but lean reads NF4 only for the "
+                    r"attention and dense-MLP projections: load the bf16 model with --load-in-4bit"),
+        "experts": (None, stored_like_w(*experts), rf"^{experts[0]} \(and 3 more\) is stored in NF4, but"),
+        "storage": (None, lambda t: t.update({W: torch.zeros(32, 64, dtype=torch.bfloat16)}),
+                    r"torch.bfloat16 \(32, 64\) beside an NF4 quant state, not the 1024 packed bytes of \(32, 64\) "
+                    "in a bnb_4bit_quant_storage dtype"),
+        "wide": (lambda s: s.update(blocksize=128), None,
+                 "this checkpoint's NF4 blocks of 128 do not divide every projection's input width"),
+    }
+    for folder, (state_edit, edit, words) in cases.items():
+        _write_bnb(tmp_path / folder, weights, tmp_path / "src", state_edit=state_edit, edit=edit)
+        with pytest.raises(ModelLoadError, match=words):
+            lean.load_model(tmp_path / folder, dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="quant='int8'"):
         lean.load_model(tmp_path / "src", dtype=torch.float32, device=DEVICE, quant="int8")
 

@@ -1,5 +1,6 @@
 """QLoRA: models held in NF4 (quantised at load, or read from bitsandbytes' 4-bit layout), their LoRA
 step against HF + PEFT on the same dequantised weights (CPU, float32), and the loader's refusals."""
+import dataclasses
 import json
 
 import numpy as np
@@ -314,3 +315,96 @@ def test_qlora_gpt_oss_mxfp4_step_matches_hf_peft(tmp_path):
     grads = lora.grad_state_dict()
     bad = {k: e for k, ref in ref_grads.items() if (e := _rel_max(grads[k], ref)) > 1e-4}
     assert not bad, f"seed {seed}: {bad}"
+
+
+def _random_nf4_model(config, arch, g):
+    """lean's model of an HF config with its projections in NF4, drawn (no checkpoint): an Nf4 quantised
+    from N(0, 0.02), MXFP4 experts as random_mxfp4_ draws them, every other tensor N(0, 0.02)."""
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model, random_mxfp4_
+
+    cfg = config_from_hf(config.to_dict() | {"architectures": [arch]})
+    model = empty_model(dataclasses.replace(cfg, weight_quant="nf4"), torch.float32, DEVICE)
+    for name, t in model.hf_tensors():
+        if isinstance(t, Nf4):
+            nf4_quantize(t, (torch.randn(t.shape, generator=g) * 0.02).to(DEVICE))
+        elif t.dtype == torch.uint8:
+            random_mxfp4_(t, name, g)
+        else:
+            t.copy_(torch.randn(t.shape, generator=g) * 0.02)
+    return model
+
+
+def _nf4_models():
+    """(name, HF config, architecture) of three tiny NF4 models: dense, all-MoE, all-MoE with MXFP4 experts."""
+    from tests.test_gpt_oss import oss_config
+    from tests.test_moe import moe_config
+
+    dense = tiny_config("qwen3")
+    dense.intermediate_size = 128
+    oss = oss_config(4, 2, intermediate_size=64)
+    oss.quantization_config = {"quant_method": "mxfp4"}
+    return [("qwen3", dense, "Qwen3ForCausalLM"),
+            ("qwen3-moe", moe_config(4, 2, True, [], intermediate_size=256), "Qwen3MoeForCausalLM"),
+            ("gpt-oss-mxfp4", oss, "GptOssForCausalLM")]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["qwen3", "qwen3-moe", "gpt-oss-mxfp4"])
+def test_rate_weight_of_nf4_models(case):
+    """The weight offload.measure_rates times its GEMM on: a 2-D (<= F, C) tensor of the model's own values
+    in the model dtype: the dense gate dequantised; F rows of an all-MoE layer's gate_up; the NF4 q
+    dequantised, then sliced, where the experts are MXFP4."""
+    from lean.models.weights import Mxfp4
+    from lean.runtime.offload import rate_weight
+
+    name, config, arch = _nf4_models()[case]
+    model = _random_nf4_model(config, arch, torch.Generator().manual_seed(fresh_seed()))
+    C, F, layer = model.config.hidden, model.config.intermediate, model.layers[0]
+    w = rate_weight(model)
+    assert isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == C and w.dtype == model.dtype
+    if name == "qwen3":
+        assert isinstance(layer.gate, Nf4) and torch.equal(w, layer.gate.dense())
+    elif name == "qwen3-moe":
+        assert layer.gate is None and torch.equal(w, layer.gate_up.reshape(-1, C)[:F])
+    else:
+        assert isinstance(layer.gate_up, Mxfp4) and isinstance(layer.q, Nf4)
+        assert torch.equal(w, layer.q.dense()[:F])
+    assert w.shape[0] == min(F, w.shape[0]) > 0 and bool(w.abs().amax() > 0)
+
+
+def test_nf4_scratch_bytes_prices_the_nf4_projections(monkeypatch):
+    """The planner's NF4 scratch copy is the largest projection held in NF4: an all-MoE model's q, k, v,
+    o (not its config's intermediate_size, which no NF4 projection has), a dense model's MLP."""
+    from lean.models.config import config_from_hf
+    from lean.runtime.plan import nf4_scratch_bytes
+
+    monkeypatch.setattr(nf4mod, "FUSED", False)  # every shape through the scratch copy, as on a GPU
+    for name, config, arch in _nf4_models()[:2]:
+        cfg = config_from_hf(config.to_dict() | {"architectures": [arch]})
+        assert nf4_scratch_bytes(cfg, 64, 2) == 0  # not in NF4
+        cfg = dataclasses.replace(cfg, weight_quant="nf4")
+        want = cfg.intermediate * cfg.hidden if name == "qwen3" else cfg.q_dim * cfg.hidden
+        assert nf4_scratch_bytes(cfg, 64, 2) == 2 * want, name
+    assert cfg.intermediate * cfg.hidden > want  # the MoE case tells the two apart
+
+
+def test_rates_measured_once_per_token_count(monkeypatch):
+    """plan_for measures the machine's rates once per model and token count: early_plan's measurement
+    serves lean-train's plan_for after it. (Measuring runs on a GPU only: the model here claims to be
+    on one, and the measurement is counted, not run.)"""
+    from lean.runtime import offload
+    from lean.runtime.lora import TARGETS
+    from lean.runtime.plan import DEFAULT_RATES
+    from lean.runtime.planner import early_plan, plan_for
+
+    name, config, arch = _nf4_models()[0]
+    model = _random_nf4_model(config, arch, torch.Generator().manual_seed(fresh_seed()))
+    calls = []
+    monkeypatch.setattr(offload, "measure_rates", lambda m, n: calls.append(n) or DEFAULT_RATES)
+    on_gpu = dataclasses.replace(model, device=torch.device("cuda"))
+    early_plan(on_gpu, 4, TARGETS, 0.0, 64, 1.0)
+    lora = lean.LoRA.init(model, r=4, alpha=8, seed=0)
+    plan_for(on_gpu, lora, 64, budget_bytes=2**30)
+    assert calls == [64]
+    plan_for(on_gpu, lora, 128, budget_bytes=2**30)
+    assert calls == [64, 128]

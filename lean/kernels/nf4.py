@@ -249,8 +249,9 @@ def _nested_quantize_kernel(
 
 @triton.jit
 def block_absmax(aq_ptr, absmax2_ptr, code2_ptr, offset, blk, ok, QB2: tl.constexpr, PTX: tl.constexpr):
-    """A_b = code2[absmax[b]] * absmax2[b / QB2] + offset for block indices blk (any shape; 0 where
-    not ok); the product and the sum round separately, as bitsandbytes' two kernels do."""
+    """A_b = code2[absmax[b]] * absmax2[b / QB2] + offset for block indices blk (any shape; where not
+    ok, the masked loads read 0 and it is `offset`: callers mask it); the product and the sum round
+    separately, as bitsandbytes' two kernels do."""
     aq = tl.load(aq_ptr + blk, mask=ok, other=0).to(tl.int32)
     return _mul_rn(tl.load(code2_ptr + aq), tl.load(absmax2_ptr + blk // QB2, mask=ok, other=0.0), PTX) + offset
 

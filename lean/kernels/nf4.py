@@ -36,7 +36,8 @@ Supported: K a multiple of QB (every block lies in one row; all Llama / Qwen pro
 power of two 32..4096 (checkpoints: read from the file), QB2 = 256 (bitsandbytes' only nested size),
 out fp32 / fp16 / bf16, any O.
 Tested: tests/test_nf4.py (interpreter): quantise and dequantise against the numpy reference bit for
-bit on random, all-zero, constant, tied and tail-block inputs; the dynamic map against
+bit on random, all-zero, constant, tied and tail-block inputs, in blocks of 32, 64 and 128 (checkpoints
+of 32 and 128 load: tests/test_qlora.py); the dynamic map against
 bitsandbytes' construction; round trips; the LoRA GEMMs on an Nf4 both ways. On the GPU (H100, the
 same file): against bitsandbytes 0.50's CUDA quantize_4bit / dequantize_4bit at 4096^2, 1024x4096,
 12288x4096, 4096x12288 and 37x192, bf16 / fp16 / fp32, bit for bit given its offset (the NF4 decimal

@@ -41,6 +41,7 @@ aligned to 16 bytes (its fp32 parts are uint8 bytes viewed as fp32). A pre-quant
 (bitsandbytes' 4-bit layout, as the hub's *-bnb-4bit uploads hold it) names them:
 
     packed   self_attn.q_proj.weight                              (O*K/2, 1) uint8 -> (O, K/2)
+             (or the same bytes in a bnb_4bit_quant_storage dtype: bf16 (O*K/4, 1), as FSDP-QLoRA saves)
     absmax   self_attn.q_proj.weight.absmax                       (nb,) uint8
     absmax2  self_attn.q_proj.weight.nested_absmax                (nb2,) fp32
     code2    self_attn.q_proj.weight.nested_quant_map             (256,) fp32
@@ -48,7 +49,7 @@ aligned to 16 bytes (its fp32 parts are uint8 bytes viewed as fp32). A pre-quant
     offset   self_attn.q_proj.weight.quant_state.bitsandbytes__nf4   uint8 bytes of a JSON object:
              quant_type, blocksize, dtype, shape, nested_blocksize, nested_dtype, nested_offset
 A bf16 checkpoint loaded with quant="nf4" is quantised as it loads (runtime/loader.py).
-(Qwen3-8B: 3.8 GB for its 36 layers' projections against 13.9 GB in bf16.)
+(Qwen3-8B: 3.58 GB for its 36 layers' projections against 13.9 GB in bf16.)
 """
 from dataclasses import dataclass, field
 from typing import NamedTuple

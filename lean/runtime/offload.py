@@ -165,14 +165,27 @@ def scheduler(model, plan, n_tokens):
     return sched
 
 
+def rate_weight(model):
+    """The weight (<= F, C) in the model dtype that measure_rates times lean's GEMM on: the model's own
+    values (no zeros), a dense layer's gate (F, C), or where every layer is an MoE layer, F rows of
+    layer 0's expert gate_up (E*2Fe, C), or of its q (Oq, C) when the experts are MXFP4 pairs. An Nf4
+    comes dequantised (a new tensor: the GEMM its scratch path runs), then sliced."""
+    C, F = model.config.hidden, model.config.intermediate
+    w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
+    if w is None:
+        gu = model.layers[0].gate_up
+        w = gu.reshape(-1, C) if isinstance(gu, torch.Tensor) else model.layers[0].q
+    if isinstance(w, Nf4):
+        w = w.dense(model.dtype)
+    return w[:F]
+
+
 def measure_rates(model, n_tokens, repeats=9):
     """plan.Rates on this GPU, measured once before the plan (a setup-time sync): pinned D2H and
     H2D copies of one (n_tokens, F) activation and lean's GEMM at a layer's gate shape
-    (n_tokens, C) x (C, F), each the fastest of `repeats` after a warm-up (what the link and the
-    GEMM can do; single copies vary by up to ~20% between calls), timed with CUDA events.
-    The GEMM reads the model's own weights (no zeros: a dense layer's gate, or where every layer is
-    an MoE layer, F rows of layer 0's expert gate_up, or of its q when the experts are MXFP4). None
-    on a CPU."""
+    (n_tokens, C) x (C, F) (on rate_weight's weight), each the fastest of `repeats` after a warm-up
+    (what the link and the GEMM can do; single copies vary by up to ~20% between calls), timed with
+    CUDA events. None on a CPU."""
     from ..kernels.gemm import matmul
     from .plan import Rates
     if model.device.type != "cuda":
@@ -181,12 +194,7 @@ def measure_rates(model, n_tokens, repeats=9):
     N, C, F = min(n_tokens, cfg.vocab), cfg.hidden, cfg.intermediate
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
-    w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
-    if isinstance(w, Nf4):  # an NF4 model: the GEMM its scratch path runs, on the gate dequantised once
-        w = w.dense(model.dtype)
-    if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C), or of
-        gu = model.layers[0].gate_up  # q (Oq, C) where the experts are MXFP4 pairs
-        w = gu.reshape(-1, C)[:F] if isinstance(gu, torch.Tensor) else model.layers[0].q[:F]
+    w = rate_weight(model)  # (F, C), or fewer rows
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
     x = model.lm_head[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the head may be on the host)
 

@@ -324,14 +324,16 @@ def _proj_dims(cfg, t):
 
 def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
     """An NF4 model's projection dequantised for one GEMM (kernels/lora_linear._nf4_scratch), on the
-    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K), counted at
-    every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
+    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K) of the
+    projections held in NF4 (models/weights.nf4_projections: an MoE layer's q, k, v, o only),
+    counted at every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
     if cfg.weight_quant != "nf4":
         return 0
     from ..kernels.nf4 import nf4_fused
+    from ..models.weights import nf4_projections
 
-    sizes = [O * K for K, O in (_proj_dims(cfg, t) for t in TARGETS) if not nf4_fused(n_tokens, K, O)]
-    return max(sizes, default=0) * act_bytes
+    shapes = {s for li in range(cfg.n_layers) for _, _, s in nf4_projections(cfg, li)}  # (O, K)
+    return max((O * K for O, K in shapes if not nf4_fused(n_tokens, K, O)), default=0) * act_bytes
 
 
 def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):

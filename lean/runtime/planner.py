@@ -134,13 +134,16 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
     from the model's tensors on the GPU; pinned host memory is held to half of this machine's memory;
     rates price the candidates (None: measured here by offload.measure_rates when a budget is given
-    on a GPU, a setup-time sync; DEFAULT_RATES on a CPU). When the plan says so, this moves the
-    untied embedding table to pinned host memory (models/weights.embed_to_host), and the lm_head
-    (head_host.head_to_host, a tied table with it), for good."""
+    on a GPU, a setup-time sync, once per model and n_tokens: early_plan's measurement serves the plan
+    after it; DEFAULT_RATES on a CPU). When the plan says so, this moves the untied embedding table to
+    pinned host memory (models/weights.embed_to_host), and the lm_head (head_host.head_to_host, a tied
+    table with it), for good."""
     on_gpu = model.device.type == "cuda"
     if rates is None and budget_bytes is not None and on_gpu:
         from .offload import measure_rates
-        rates = measure_rates(model, n_tokens)
+        if ("rates", n_tokens) not in model.cache:
+            model.cache["rates", n_tokens] = measure_rates(model, n_tokens)
+        rates = model.cache["rates", n_tokens]
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [b for layer in model.layers for b in (layer.buf, layer.qbuf)]:
         if t.data_ptr() not in seen and t.device.type == model.device.type:

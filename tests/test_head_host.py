@@ -51,7 +51,7 @@ def test_fetch_plan_reads_the_right_chunk_and_never_refills_early(order):
         assert len(copies) == n
 
 
-@pytest.mark.parametrize("chunk_v,with_dh", [(40, True), (131, True), (29, False), (1, True)])
+@pytest.mark.parametrize("chunk_v,with_dh", [(40, True), (131, True), (29, False), (7, True)])
 def test_host_head_gives_the_device_chunks_bits(chunk_v, with_dh):
     """The same kernels over the same chunks: HostHead's copies change nothing, bit for bit."""
     g = fresh_generator("cpu")

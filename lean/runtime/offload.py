@@ -29,7 +29,8 @@ Every cross-stream dependency is an event: no host sync, and the calls capture i
 waited on within the step that recorded them).
 
 On a CPU device there are no streams: the same calls copy synchronously (the CI variant; it runs
-the same slot and buffer bookkeeping).
+the same slot and buffer bookkeeping, and holds the offloaded rows until retire as the GPU does, so
+the planner's walk equals the CPU step's allocations in every mode).
 
 measure_rates() times the pinned link (each direction) and a layer-sized GEMM once, before the
 plan: the planner prices copies and recomputes with them (plan.Rates).
@@ -98,9 +99,10 @@ class Offloader:
     def offload(self, li, x, up=None):
         """Forward, after layer li: its input x (N, C), and up (N, F) in offload_up, -> pinned host slots."""
         rows = [x] + ([up] if li in self.up_slot else [])
-        if not self.on_gpu:
+        if not self.on_gpu:  # synchronous; the rows are still held until retire, as on the GPU
             for (dst, _), src in zip(self._pairs(li), rows):
                 dst.copy_(src)
+            self._held[li] = rows
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream())  # x, up are written
         with torch.cuda.stream(self.copy_stream):
@@ -112,7 +114,7 @@ class Offloader:
     def retire(self, li):
         """Forward, a layer later: the compute stream waits for li's copy; its rows' memory is let go."""
         rows = self._held.pop(li, None)
-        if rows is not None:
+        if rows is not None and self.on_gpu:
             torch.cuda.current_stream().wait_event(self.copied[li])
 
     def prefetch(self, li):

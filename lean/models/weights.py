@@ -196,13 +196,15 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class Layer:
-    """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it."""
+    """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it.
+    buf, qbuf: flat buffers (of at least the layer's size) to lay the fields over instead of
+    allocating them: a gathered full layer of sharded weights (runtime/shard.py)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device, li: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype, device, li: int = 0, buf=None, qbuf=None):
         fields = layer_fields(cfg, li)
         self.moe = cfg.is_moe(li)
         numel = sum(_prod(s) for _, _, s in fields)
-        self.buf = torch.empty(numel, dtype=dtype, device=device)
+        self.buf = torch.empty(numel, dtype=dtype, device=device) if buf is None else buf[:numel]
         self.fields = [name for name, _, _ in fields]
         off = 0
         for name, _, shape in fields:
@@ -213,7 +215,7 @@ class Layer:
         nf4 = [(t, O, K, _nf4_parts(O, K, cfg.quant_block)) for t, _, (O, K) in nf4_projections(cfg, li)]
         qbytes = _align(sum(_prod(s) for _, _, s in qfields))
         qbytes += sum(_align(n) for *_, parts in nf4 for _, n in parts)
-        self.qbuf = torch.empty(qbytes, dtype=torch.uint8, device=device)
+        self.qbuf = torch.empty(qbytes, dtype=torch.uint8, device=device) if qbuf is None else qbuf[:qbytes]
         off = 0
         for name, _, shape in qfields:
             n = _prod(shape)

@@ -140,10 +140,12 @@ class Rates(NamedTuple):
     d2h: float  # pinned device -> host bytes/s (the forward's offloads)
     h2d: float  # pinned host -> device bytes/s (the backward's reloads)
     flops: float  # a layer-sized GEMM's FLOP/s
+    link: float = 100e9  # sharded weights: bytes/s a rank receives in an all-gather of a layer (N-1 parts of N)
 
 
 # An H100 SXM's measured rates (BENCHMARKS.md): the planner's prices when none are measured (CPU).
-DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12)
+# link: assumed (NCCL's all-gather over NVLink), not measured yet; measure_rates measures it on the GPUs.
+DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12, link=100e9)
 
 
 class PlanError(ValueError):
@@ -442,11 +444,12 @@ def moe_scratch(cfg, n_tokens, act_bytes):
 
 class Memory(NamedTuple):
     """Predicted device bytes, by part; peak = their sum."""
-    weights: int  # frozen model tensors
+    weights: int  # frozen model tensors (sharded weights: this rank's parts of the layers)
     lora: int  # LoRA params, grads, compute copy, AdamW moments
     constants: int  # batch descriptor, RoPE tables
     reload: int  # the offload scheduler's two (N, C) reload buffers (and two (N, F) with offload_up)
     activations: int  # the step's own high-water mark above all of the above
+    gather: int = 0  # sharded weights: the two rotating full layers of each kind (offload.Gather)
 
     @property
     def peak(self):
@@ -666,6 +669,7 @@ class Plan:
     rates: Rates = DEFAULT_RATES  # what the cost was priced with
     embed_host: bool = False  # the embedding table lives in pinned host memory
     head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
+    world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -694,6 +698,46 @@ class Plan:
         return self._bytes(OFFLOAD)
 
 
+def layer_weight_bytes(cfg, li, act_bytes, world=1):
+    """Bytes of decoder layer li's frozen buffers (weights.Layer: buf in the act dtype, qbuf), each
+    padded to `world` equal parts as sharded weights gather them (runtime/shard.py)."""
+    import torch
+
+    from ..models.weights import Layer
+
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[act_bytes]
+    layer = Layer(cfg, dtype, "meta", li)  # sizes only: nothing is allocated
+    pad = lambda n: -(-n // world) * world  # noqa: E731
+    return pad(layer.buf.numel()) * act_bytes + pad(layer.qbuf.numel())
+
+
+def gather_buffer_bytes(cfg, act_bytes, world):
+    """offload.Gather's rotating full layers: two of each kind of layer (one where a kind has one
+    layer); 0 for whole weights (world 1)."""
+    if world <= 1:
+        return 0
+    kinds = {}
+    for li in range(cfg.n_layers):
+        kinds.setdefault(cfg.is_moe(li), []).append(layer_weight_bytes(cfg, li, act_bytes, world))
+    return sum(min(len(sizes), 2) * max(sizes) for sizes in kinds.values())
+
+
+def gather_cost(cfg, modes, n_tokens, act_bytes, rates, world):
+    """Predicted seconds sharded weights add to a step: each layer's all-gather (the N-1 parts it
+    receives over rates.link) beyond the compute it hides under: the forward's gather of layer
+    li+1 under layer li's forward (layer 0's under nothing), the backward's of layer li-1 under
+    layer li's backward and rebuild (the top two layers are still held). Compute as plan_cost's."""
+    if world <= 1:
+        return 0.0
+    L = cfg.n_layers
+    fwd = [LAYER_OVER_GEMM * sum(layer_flops(cfg, n_tokens, li)) / rates.flops for li in range(L)]
+    attn_up = {KEEP: 0, RECOMPUTE: 3, OFFLOAD: 3, OFFLOAD_UP: 2}  # the rebuild's GEMMs: attention, gate, up
+    rebuild = [sum(layer_flops(cfg, n_tokens, li)[:attn_up[modes[li]]]) / rates.flops for li in range(L)]
+    g = [layer_weight_bytes(cfg, li, act_bytes, world) * (world - 1) / world / rates.link for li in range(L)]
+    cost = g[0] + sum(max(0.0, g[li + 1] - fwd[li]) for li in range(L - 1))
+    return cost + sum(max(0.0, g[li] - fwd[li + 1] - rebuild[li + 1]) for li in range(L - 2))
+
+
 def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
     """Seconds a step's embedding gather takes from a table in pinned host memory: its N rows over
     the link (it runs before layer 0, under no compute)."""
@@ -702,10 +746,12 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
               optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0,
-              head_host=False):
+              head_host=False, world=1):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
     tensors on the GPU (without the embedding table when embed_host, without the lm_head when
-    head_host: its two chunk buffers are added here; a tied table moves with the head)."""
+    head_host: its two chunk buffers are added here; a tied table moves with the head; this rank's
+    parts of the layers when sharded). world > 1: sharded weights, their gather buffers and gathers
+    priced."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -720,12 +766,12 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if head_host:
         weights_bytes += head_host_bytes(cfg, act_bytes)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
-                 constant_bytes(cfg, n_tokens), reload, act)
-    cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
+                 constant_bytes(cfg, n_tokens), reload, act, gather_buffer_bytes(cfg, act_bytes, world))
+    cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather_cost(cfg, modes, n_tokens, act_bytes, rates, world)
     embed_host = bool(embed_host or (head_host and cfg.tie_embeddings))  # a tied table goes with the head
     if embed_host:
         cost += embed_gather_cost(cfg, n_tokens, act_bytes, rates)
     if head_host:
         cost += head_host_cost(cfg, n_tokens, act_bytes, rates)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
-                embed_host, bool(head_host))
+                embed_host, bool(head_host), world)

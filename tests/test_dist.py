@@ -300,13 +300,15 @@ def test_sharded_plan_counts_the_buffers_and_prices_the_gathers():
 
 
 def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):
-    """A 3-layer model sharded over a 1-rank group in this process: the step's gradients equal the
-    whole model's bit for bit, and the gathers are the ones the rotation needs: 4 in the first step
-    (layers 0, 1, 2 forward; 0 again in backward: 1 and 2 are still held), then 2 a step."""
+    """A 3-layer model sharded over a 1-rank group in this process, under a plan that offloads layer
+    0 and recomputes layer 1 (the rebuild reads the gathered weights too): the step's gradients
+    equal the whole model's bit for bit, and the gathers are the ones the rotation needs: 4 in the
+    first step (layers 0, 1, 2 forward; 0 again in backward: 1 and 2 are still held), then 2 a step."""
     import torch.distributed as tdist
 
     from lean.runtime.loader import load_model
     from lean.runtime.lora import LoRA
+    from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, make_plan
     from lean.runtime.shard import shard_model
     from lean.runtime.step import forward_backward
 
@@ -326,10 +328,12 @@ def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):
                 start = torch.rand(lora.numel, generator=fresh_generator("cpu")) - 0.5
             lora.params.copy_(start)
             lora.sync_lowp()
+            plan = make_plan(model.config, 32, (OFFLOAD, RECOMPUTE, KEEP), lora_rank=4, lora_targets=lora.targets,
+                             act_bytes=4)
             per_step = []
             for _ in range(2):
                 lora.zero_grad()
-                forward_backward(model, lora, pack(docs, 32, device="cpu"))
+                forward_backward(model, lora, pack(docs, 32, device="cpu"), plan=plan)
                 per_step.append(len(calls) if sharded else 0)
             if sharded:
                 tdist.all_gather_single = real

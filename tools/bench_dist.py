@@ -166,8 +166,10 @@ def hf_rank(args):
     torch.cuda.synchronize()  # sync: setup done
     torch.cuda.reset_peak_memory_stats()
     t, loss = bench_step.time_steps(step, bench_step.WARMUP, args.steps, True)
+    import torch.distributed as dist
+
     stats = torch.tensor([t, float(torch.cuda.max_memory_allocated())], dtype=torch.float64, device=device)
-    stats = acc.reduce(stats, reduction="max") if hasattr(acc, "reduce") else stats
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank's median, the largest peak
     t, peak = stats.tolist()
     if acc.is_main_process:
         row = dict(framework="unsloth" if args.role == "unsloth-rank" else "hf", nproc=acc.num_processes,

@@ -19,6 +19,7 @@ import torch
 
 import lean.runtime.checkpoint as C
 import lean.runtime.train as T
+import lean.runtime.parallel as P
 from lean.cli import build_parser, config_from_args, main
 from lean.runtime.settings import ConfigError
 from tests.hf_models import build_hf
@@ -68,15 +69,17 @@ def _cfg(setup, out, **kw):
 
 
 def _raise_on_call(monkeypatch, name, n, exc):
-    """T.<name> raises exc on its n-th call (the others run): a crash at a chosen point of the loop."""
-    real, calls = getattr(T, name), {"n": 0}
+    """The loop's <name> raises exc on its n-th call (the others run): a crash at a chosen point of
+    the loop. T's names; the step's forward_backward is runtime/parallel.py's (its eager step)."""
+    module = P if name == "forward_backward" else T
+    real, calls = getattr(module, name), {"n": 0}
 
     def wrapped(*a, **k):
         calls["n"] += 1
         if calls["n"] == n:
             raise exc
         return real(*a, **k)
-    monkeypatch.setattr(T, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
 
 
 OOM = T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -346,7 +349,7 @@ def test_nonfinite_grad_norm_names_the_step(setup, monkeypatch):
     """A finite loss with an inf gradient: the error comes before step 2's checkpoint, so the last
     one (step 1) keeps finite parameters."""
     cfg = _cfg(setup, "inf-grad", steps=3, save_every=1)
-    real, calls = T.forward_backward, {"n": 0}
+    real, calls = P.forward_backward, {"n": 0}
 
     def inf_grads_at_step_2(model, lora, *a, **k):
         calls["n"] += 1
@@ -355,7 +358,7 @@ def test_nonfinite_grad_norm_names_the_step(setup, monkeypatch):
             lora.grads.fill_(float("inf"))
         return out
 
-    monkeypatch.setattr(T, "forward_backward", inf_grads_at_step_2)
+    monkeypatch.setattr(P, "forward_backward", inf_grads_at_step_2)
     with pytest.raises(T.TrainError, match="grad norm is (inf|nan) at step 2.*untouched"):
         T.train(cfg)
     ckpt = T.Path(cfg.out_dir) / "checkpoint"
@@ -366,7 +369,7 @@ def test_nonfinite_grad_norm_names_the_step(setup, monkeypatch):
 
 def test_nan_loss_names_the_step(setup, monkeypatch):
     cfg = _cfg(setup, "nan", steps=3, save_every=1)
-    real = T.forward_backward
+    real = P.forward_backward
     calls = {"n": 0}
 
     def nan_at_step_2(*a, **k):
@@ -374,7 +377,7 @@ def test_nan_loss_names_the_step(setup, monkeypatch):
         loss, n = real(*a, **k)
         return (loss * float("nan"), n) if calls["n"] == 2 else (loss, n)
 
-    monkeypatch.setattr(T, "forward_backward", nan_at_step_2)
+    monkeypatch.setattr(P, "forward_backward", nan_at_step_2)
     with pytest.raises(T.TrainError, match="loss is nan at step 2.*start over with a lower --lr.*--overwrite"):
         T.train(cfg)
     state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())

@@ -3,7 +3,7 @@
 
     python tools/bench.py step --nproc 2 --models llama-3.2-1b,qwen3-8b --graph
     python tools/bench.py step --nproc 4 --models qwen3-8b --shard-weights     # + the sharded row
-    tools/gpu_check.sh dist 2 --models llama-3.2-1b                          # the same, in one device call
+    tools/gpu_check.sh dist-bench 2 --models llama-3.2-1b                    # the same, in one device call
 
 Weak scaling (BENCHMARKS.md's goal: >= 0.92 of N x the one-GPU tokens/s): every rank steps its own
 8192 tokens (the layout's document lengths, token ids drawn per rank) through the whole optimizer
@@ -44,8 +44,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 sys.path.insert(0, os.path.dirname(TOOLS))
 import bench_step  # noqa: E402
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from lean.runtime.dist import MULTICAST_OFF  # noqa: E402 - NVLink multicast off, as lean-train sets it
 
 
 # =============================================================================================
@@ -59,7 +58,7 @@ def lean_rank(args):
     from lean.runtime.dist import GradReducer, start
     from lean.runtime.shard import shard_model
 
-    d = start(SimpleNamespace(device="cpu" if args.smoke else None, dist_timeout=600))
+    d = start(SimpleNamespace(device="cpu" if args.smoke else None, dist_timeout=600, shard_weights=args.shard))
     lean, model = bench_step.random_model(args.model, d.device, torch.float32 if args.smoke else torch.bfloat16,
                                           args.smoke)  # the same seed on every rank: the same weights
     if args.shard:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lean  # noqa: E402
-from lean.runtime.batch import count_targets  # noqa: E402
+from lean.runtime.batch import count_tokens  # noqa: E402
 from lean.runtime.data import default_dataset, load_records, pack_batches, split_heldout, tokenize_records  # noqa: E402
 from lean.runtime.dist import GradReducer, start  # noqa: E402
 from lean.runtime.tokenizer import Tokenizer  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv):
             every.append(queue.pop(0))
         first = dist.rank * grad_accum  # this rank's share: micro-batches first .. first + grad_accum - 1
         micro = [lean.pack(d, max_tokens, device=dev) for d in every[first:first + grad_accum]]
-        n_targets = count_targets([d for b in every for d in b])  # every rank's, on the host: no sync
+        n_tokens, n_targets = count_tokens([d for b in every for d in b])  # every rank's, on the host: no sync
         lora.zero_grad()
         if reducer is not None:
             reducer.begin()
@@ -140,7 +140,6 @@ def main(argv):
         loss = dist.gather_loss(sums) / n_targets  # sync: log point (every rank's loss sums)
         if not math.isfinite(loss):
             raise SystemExit(f"loss is {loss} at step {step}: lower lr or check the data")
-        n_tokens = sum(len(d[0]) for b in every for d in b)
         dt = time.time() - t0
         eta = (time.time() - t_start) / step * (steps - step)
         say(f"step {step}/{steps}: loss {loss:.4f} lr {lr_now:.2e} {n_tokens / dt:,.0f} tok/s eta {eta:.0f}s")

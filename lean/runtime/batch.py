@@ -141,15 +141,16 @@ def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None, max_docs=Non
     )
 
 
-def count_targets(docs) -> int:
-    """The target tokens pack(docs) would give (n_targets), counted on the host without packing: a
-    document's tokens after its first, those whose mask is set where it has one. Data-parallel
-    ranks count every rank's micro-batches of a step with it (runtime/dist.py)."""
-    n = 0
+def count_tokens(docs) -> tuple:
+    """(n_tokens, n_targets) that pack(docs) would give, counted on the host without packing: every
+    document's tokens; its tokens after the first, those whose mask is set where it has one, as
+    targets. Data-parallel ranks count every rank's micro-batches of a step with it (runtime/dist.py)."""
+    tokens = targets = 0
     for i, doc in enumerate(docs):
         ids, mask = _doc_parts(doc, i)
-        n += max(len(ids) - 1, 0) if mask is None else int(mask[1:].sum())
-    return n
+        tokens += len(ids)
+        targets += max(len(ids) - 1, 0) if mask is None else int(mask[1:].sum())
+    return tokens, targets
 
 
 def _fill_doc_slots(parts, lens, max_docs, pad_to, n_docs):

@@ -21,14 +21,15 @@ one process run with grad_accum = world x G, and the data position (epoch, index
 for any world size: a checkpoint resumes under another world size when world x grad_accum stays
 the same (checkpoint.py refuses anything else, naming both). Every rank knows every micro-batch of
 the step on the host, so the global target count (the loss normalisation 1 / targets of the whole
-step) and the step's token count need no communication (batch.count_targets). Dropout seeds are
+step) and the step's token count need no communication (batch.count_tokens). Dropout seeds are
 those of the global micro-batch index (lora.steps counts global micro-batches).
 
 The gradient (GradReducer): each rank's forward_backward adds grad_scale * its token losses'
 gradient into lora.grads with grad_scale = 1 / (global targets), so the SUM over ranks is the
 step's gradient. lora.grads is laid out layer-major (lora.py), so a run of consecutive layers is a
 contiguous slice: the buckets are layer 0 alone (the last layer the backward finishes: what cannot
-hide is small), then runs of layers of about BUCKET_BYTES going up. In the last micro-batch of a
+hide is small), then runs of consecutive layers going up, each closed as it reaches BUCKET_BYTES
+(the top run may be smaller). In the last micro-batch of a
 step, step._backward_layers calls layer_done(li) after layer li's backward; when li is the lowest
 layer of a bucket, its all-reduce is launched asynchronously (dist.all_reduce(async_op=True)), so
 it runs under the backward of the layers below. On a GPU, ProcessGroupNCCL runs it on its own
@@ -38,20 +39,32 @@ for every bucket before AdamW (its clipping reads the whole gradient). On the CP
 same calls on its own threads. After the reduction every rank holds the same gradient bits, so the
 grad norm, the clipping, the update and the NaN check agree without more communication.
 
-Agreement (exchange): at each step boundary, before the update, the ranks exchange on the host
-(gloo, a few hundred bytes) whether their step raised; an error on any rank (an OOM, a bad batch,
-a deferred failure of rank 0's checkpoint or metrics write) raises RunStopped with the same text
-on every rank, after every rank has issued the same collectives (a rank that failed mid-backward
-launches its remaining buckets in finish()). The per-step loss is all-gathered (each micro-batch's
-loss sum, summed on the host in the single-process order), so the NaN/inf check sees one value. A
-rank that dies outright is found by the next collective (gloo: the connection closes at once; any
-backend: the timeout): RankLost names the rank(s) whose process is gone (this host's PIDs) and the
-surviving ranks stop with an error instead of waiting.
+Agreement (exchange, agreed): at each step boundary, before the update, the ranks exchange on the
+host (gloo, a few hundred bytes) whether their step raised; an error on any rank (an OOM, a bad
+batch, a deferred failure of rank 0's checkpoint or metrics write) raises RunStopped with the same
+text on every rank, after every rank has issued the same collectives (a rank that failed mid-step
+issues the rest of its step's gathers and buckets first: step_ends). `with dist.agreed(what):`
+wraps any such block: a rank's error is held to the block's end and then raised on every rank.
+The exchange also carries a stop signal: under several processes a first Ctrl-C or SIGTERM only
+sets a flag (runtime/parallel.py, deferred_signals); torchrun signals each rank at its own point of
+its step, so the ranks stop together at the next exchange (Interrupted, a KeyboardInterrupt, on
+every rank), where the parameters are whole, and rank 0 saves. An error outranks a signal.
+The per-step loss: each rank reads its own micro-batches' loss sums (the log point's sync) and the
+ranks exchange them over gloo, summed on the host in global micro-batch order (the single-process
+order), so the NaN/inf check sees one value on every rank and a dead peer is found by gloo, not by
+a device wait. A rank that dies outright is found by the next collective (gloo: the connection
+closes at once; NCCL: its timeout, or the next gloo exchange): RankLost names the rank(s) whose
+process is gone (this host's PIDs) and the surviving ranks stop with an error instead of waiting.
+Only a collective's own failure counts as a lost rank (collective(): an OOM, a CUDA error or a
+TrainError raised inside one is raised as it is).
 
 The captured step (graph.StepGraph(..., reducer=)) holds the same bucket all-reduces: torch records
 NCCL collectives issued during a capture into the graph; lean-train builds it on every rank at
 once (the warm-up creates the communicator outside the capture) and, if the capture fails on any
-rank, every rank runs eagerly and says so. Sharded frozen weights: runtime/shard.py.
+rank, every rank runs eagerly and says so. Sharded frozen weights: runtime/shard.py; their
+gathers run on a process group of their own (Dist.gathers: its own NCCL communicator and stream),
+so a gather issued ahead never queues behind a bucket's all-reduce. The ranks issue both kinds in
+the same program order, as NCCL asks of two communicators used at once.
 
 Equal to one process: after k steps the LoRA parameters equal those of a single-process run with
 grad_accum = world x G over the same micro-batches to fp32 rounding (the gradient sums in another
@@ -65,17 +78,19 @@ import datetime
 import os
 import socket
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.distributed as torch_dist
 
-from .batch import count_targets
+from .batch import count_tokens
 from .checkpoint import TrainError
 from .lora import _numel
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-BUCKET_BYTES = 25 << 20  # DDP's default bucket; Qwen3-8B's r=16 gradient (174 MB) in 8 buckets
+BUCKET_BYTES = 25 << 20  # DDP's default bucket. Qwen3-8B, r=16 on every target: 174.6 MB of fp32
+# gradient in 7 buckets by GradReducer's rule (layer 0 alone, 4.8 MB; five of 6 layers, 29.1 MB; the top 5)
 DIST_TIMEOUT = 900  # seconds a collective may wait (--dist-timeout)
 
 
@@ -93,6 +108,18 @@ class RunStopped(TrainError):
 
 class RankLost(TrainError):
     """A collective failed: a rank died or stopped answering within the timeout."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) reached some rank: every rank raises this at the same exchange."""
+
+    def __init__(self, signals=()):
+        super().__init__()
+        self.signals = list(signals)  # [(rank, signal number)] of the ranks that had one
+
+
+# Raised inside a collective call but not a failure of the collective: raised as they are.
+NOT_LOST = (torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.cuda.OutOfMemoryError), TrainError)
 
 
 def env_ranks():
@@ -117,45 +144,97 @@ def _describe(e) -> tuple:
 class Dist:
     """This process's place in the run. world 1: every method is the single-process no-op."""
 
-    def __init__(self, rank=0, world=1, local_rank=0, device=None, ctrl=None, peers=()):
+    def __init__(self, rank=0, world=1, local_rank=0, device=None, ctrl=None, peers=(), gathers=None):
         self.rank, self.world, self.local_rank, self.device = rank, world, local_rank, device
         self.ctrl = ctrl  # the gloo group of the host-side exchanges
+        self.gathers = gathers  # sharded weights: the process group of the weights' all-gathers (None: the default)
         self.peers = list(peers)  # (hostname, pid) of every rank
         self.pending = None  # an error of this rank deferred to the next exchange (deferred())
+        self.signal = None  # a stop signal this rank received, held for the next exchange (parallel.deferred_signals)
 
     @property
     def main(self):
         return self.rank == 0
 
+    @contextmanager
+    def collective(self, what):
+        """Around a collective call: its failure (a dead or silent peer; gloo says "Connection closed
+        by peer", NCCL raises DistBackendError) becomes RankLost; an OOM, a CUDA error or a
+        TrainError raised in it is raised as it is."""
+        try:
+            yield
+        except NOT_LOST:
+            raise
+        except RuntimeError as e:
+            raise self.lost(e, what) from e
+
+    def all(self, obj, what):
+        """Every rank's obj (host, pickled), in rank order, over the gloo group."""
+        got = [None] * self.world
+        with self.collective(what):
+            torch_dist.all_gather_object(got, obj, group=self.ctrl)
+        return got
+
     def exchange(self, values=(), error=None, what="the step"):
         """Every rank's `values` (host numbers) summed, once every rank has reported; RunStopped
         with the same text on every rank when any rank reports an error (`error`, or one kept by
-        deferred()). World 1: the values as given, the error raised as it is."""
+        deferred()); else Interrupted on every rank when any rank holds a stop signal. World 1:
+        the values as given, the error raised as it is."""
         error = error if error is not None else self.pending
         self.pending = None
         if self.world == 1:
             if error is not None:
                 raise error
             return list(values)
-        got = [None] * self.world
+        got = self.all((list(values), None if error is None else (*_describe(error), what), self.signal), what)
+        failures = [(r, err[0], err[1]) for r, (_, err, _) in enumerate(got) if err is not None]
+        if failures:  # named by the first failing rank's block: the same text on every rank (agreed() nests)
+            where = got[failures[0][0]][1][2]
+            raise RunStopped(_agreed(failures, where, self.world), failures) from error
+        signals = [(r, sig) for r, (_, _, sig) in enumerate(got) if sig is not None]
+        if signals:
+            raise Interrupted(signals)
+        return [sum(v[i] for v, _, _ in got) for i in range(len(values))]
+
+    @contextmanager
+    def agreed(self, what):
+        """A block every rank runs, ended by an exchange: an error in it on any rank raises
+        RunStopped with the same text on every rank (a stop signal: Interrupted). The block may
+        set box.values (host numbers), summed over the ranks into box.sums. World 1: the block as
+        it is (an error raises at once), box.sums = box.values.
+
+            with dist.agreed("the held-out evaluation") as box:
+                box.values = [loss_sum, targets]
+            total, count = box.sums
+
+        What a block may hold: work of its own rank (rank 0's writes, allocations, a plan) and
+        further exchanges or agreed blocks: every exchange is the same call on the same gloo
+        group, so a rank that failed before an inner one meets the others there with its error,
+        and every rank stops (RunStopped and RankLost pass through). No other collective: a rank
+        that failed before it would wait at the block's exchange while the others wait in the
+        collective, until the timeout. The step's gathers and buckets are the one exception,
+        because a failed rank issues the rest of them first (step_ends)."""
+        box = SimpleNamespace(values=(), sums=None)
+        if self.world == 1:
+            yield box
+            box.sums = list(box.values)
+            return
+        error = None
         try:
-            torch_dist.all_gather_object(got, (list(values), None if error is None else _describe(error)), group=self.ctrl)
-        except RuntimeError as e:
-            raise self.lost(e, what) from e
-        failures = [(r, *err) for r, (_, err) in enumerate(got) if err is not None]
-        if failures:
-            raise RunStopped(_agreed(failures, what, self.world), failures) from error
-        return [sum(v[i] for v, _ in got) for i in range(len(values))]
+            yield box
+        except (RankLost, RunStopped):  # no exchange is possible any more, or it was agreed already
+            raise
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+            error = e
+        box.sums = self.exchange(box.values if error is None else [0] * len(box.values), error, what)
 
     def broadcast(self, obj):
         """Rank 0's obj on every rank (host, pickled)."""
         if self.world == 1:
             return obj
         box = [obj]
-        try:
+        with self.collective("a broadcast from rank 0"):
             torch_dist.broadcast_object_list(box, src=0, group=self.ctrl)
-        except RuntimeError as e:
-            raise self.lost(e, "a broadcast from rank 0") from e
         return box[0]
 
     @contextmanager
@@ -172,19 +251,13 @@ class Dist:
             self.pending = self.pending or e
 
     def gather_loss(self, sums):
-        """The step's loss sum over every rank's micro-batches: each rank's (1,) device loss sums,
-        all-gathered and added on the host in global micro-batch order (the single-process order)."""
+        """The step's loss sum over every rank's micro-batches: each rank reads its own (1,) device
+        loss sums (the log point), the ranks exchange them on the host (gloo) and add them in
+        global micro-batch order (the single-process order)."""
+        mine = [t.item() for t in sums]  # sync: log point
         if self.world == 1:
-            return sum(t.item() for t in sums)  # sync: log point
-        mine = torch.empty(len(sums), dtype=torch.float32, device=sums[0].device)  # (G,)
-        for j, t in enumerate(sums):
-            mine[j:j + 1].copy_(t)
-        every = torch.empty(self.world * len(sums), dtype=torch.float32, device=mine.device)  # (world*G,)
-        try:
-            torch_dist.all_gather_single(every, mine)
-        except RuntimeError as e:
-            raise self.lost(e, "the loss's all-gather") from e
-        return sum(every.tolist())  # sync: log point
+            return sum(mine)
+        return sum(x for part in self.all(mine, "the step's losses") for x in part)
 
     def lost(self, e, what) -> RankLost:
         """RankLost for a failed collective: the ranks whose process is gone (on this host), or the
@@ -241,7 +314,8 @@ def device_of(cfg_device, local_rank, world):
 
 def start(cfg) -> Dist:
     """This process's Dist: torchrun's environment joined into a process group (NCCL on a GPU, gloo
-    on the CPU) with cfg.dist_timeout, plus a gloo group for the host exchanges; world 1: Dist()."""
+    on the CPU) with cfg.dist_timeout, a gloo group for the host exchanges (the default group on
+    the CPU) and, with cfg.shard_weights, a group of the weights' all-gathers; world 1: Dist()."""
     rank, world, local = env_ranks()
     if world == 1:
         return Dist()
@@ -254,15 +328,17 @@ def start(cfg) -> Dist:
         torch.cuda.set_device(torch.device(device))
     try:
         torch_dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                                device_id=torch.device(device) if cuda else None)
+                                      device_id=torch.device(device) if cuda else None)
+        ctrl = torch_dist.new_group(backend="gloo", timeout=timeout) if cuda else torch_dist.group.WORLD
+        gathers = (torch_dist.new_group(backend="nccl" if cuda else "gloo", timeout=timeout)
+                   if getattr(cfg, "shard_weights", False) else None)
+        peers = [None] * world
+        torch_dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ctrl)
     except (RuntimeError, ValueError) as e:
         raise TrainError(f"rank {rank}: could not join the {world} processes' group ({' '.join(str(e).split())[:300]}): "
                          "start every process with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and "
                          "MASTER_PORT), and check that none is left from an earlier run") from e
-    ctrl = torch_dist.new_group(backend="gloo", timeout=timeout) if cuda else torch_dist.group.WORLD
-    peers = [None] * world
-    torch_dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=ctrl)
-    return Dist(rank, world, local, device, ctrl, peers)
+    return Dist(rank, world, local, device, ctrl, peers, gathers)
 
 
 class StepShare(NamedTuple):
@@ -270,19 +346,19 @@ class StepShare(NamedTuple):
     docs: list  # this rank's micro-batches (lists of documents), grad_accum of them
     first: int  # global index of its first micro-batch within the step
     count: int  # micro-batches of the step over every rank (world x grad_accum)
-    n_targets: int  # target tokens over every rank's micro-batches (the loss normalisation)
-    n_tokens: int  # tokens over every rank's micro-batches
+    n_targets: int  # target tokens over every rank's micro-batches (the loss normalisation); None with one
+    n_tokens: int  # tokens over every rank's micro-batches; None with one process (the packed batches say)
     every: list  # every rank's micro-batches, in global order
 
 
 def take_step(stream, dist, grad_accum) -> StepShare:
     """The next step's world x grad_accum micro-batches from the global stream (runtime/train.py's
-    DataStream), this rank's share of them and the step's global counts (host only)."""
+    DataStream), this rank's share of them and, with several processes, the step's global counts
+    (host only; one process reads them from its packed batches)."""
     every = [stream.next() for _ in range(dist.world * grad_accum)]
     first = dist.rank * grad_accum
-    docs = [d for batch in every for d in batch]
-    return StepShare(every[first:first + grad_accum], first, len(every), count_targets(docs),
-                     sum(len(d[0]) if isinstance(d, tuple) else len(d) for d in docs), every)
+    n_tokens, n_targets = count_tokens([d for batch in every for d in batch]) if dist.world > 1 else (None, None)
+    return StepShare(every[first:first + grad_accum], first, len(every), n_targets, n_tokens, every)
 
 
 class GradReducer:
@@ -334,10 +410,8 @@ class GradReducer:
         self.launched.add(b)
         view = self.buckets[b][1]
         if view.numel():  # the same on every rank: an empty bucket is skipped everywhere
-            try:
+            with self.dist.collective("the gradient all-reduce"):
                 self.works.append(torch_dist.all_reduce(view, async_op=True))
-            except RuntimeError as e:
-                raise self.dist.lost(e, "the gradient all-reduce") from e
 
     def finish(self):
         """Launch every bucket not launched yet (a micro-batch that raised: every rank issues the same
@@ -346,8 +420,33 @@ class GradReducer:
             if b not in self.launched:
                 self._launch(b)
         works, self.works = self.works, []
-        try:
+        with self.dist.collective("the gradient all-reduce"):
             for w in works:
                 w.wait()
-        except RuntimeError as e:
-            raise self.dist.lost(e, "the gradient all-reduce") from e
+
+
+@contextmanager
+def step_ends(reducer, gather, passes, backward=True):
+    """Around this rank's passes of a step (or of an evaluation round): whatever happens in them,
+    the step's collectives end as every other rank's do. An Exception in the block: first the
+    rest of the passes' gathers and the buckets after their layers (gather.complete, sharded
+    weights), then the re-raise; then, or after the block, every bucket launched and waited on
+    (reducer.finish). A KeyboardInterrupt (a second Ctrl-C), RankLost (a collective failed: no
+    more can be issued) and RunStopped go through as they are. reducer,
+    gather: None where there is none (one process: nothing to do).
+
+        with step_ends(reducer, gather_of(model), len(micro_batches)):
+            for b in micro_batches: forward_backward(...)
+    """
+    try:
+        yield
+    except (RankLost, RunStopped):  # a collective failed, or every rank stops already: nothing more to issue
+        raise
+    except Exception:
+        if gather is not None:
+            gather.complete(passes, reducer, backward)
+        if reducer is not None:
+            reducer.finish()
+        raise
+    if reducer is not None:
+        reducer.finish()

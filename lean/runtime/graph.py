@@ -27,8 +27,11 @@ too (each bucket's NCCL all-reduce launched as its lowest layer's backward finis
 waited on before AdamW), so a replay is the whole data-parallel step; `step(batch, n_targets=)`
 normalises by the targets of every rank's batch. torch captures NCCL collectives issued on the
 capture stream (ProcessGroupNCCL records them into the graph; the warm-up, run first on every rank,
-creates the communicator outside the capture). Not run yet on several GPUs: tests/test_dist_gpu.py
-holds the check, and lean-train falls back to the eager step, saying why, if a capture fails.
+creates the communicator outside the capture). A rank whose set-up fails stops every rank at an
+exchange before the warm-up; one whose warm-up raises still issues the step's remaining buckets
+and gathers (dist.step_ends), so no rank waits in an all-reduce. Not run yet on several GPUs:
+tests/test_dist_gpu.py holds the check, and lean-train falls back to the eager step, saying why,
+if a capture fails.
 
 Errors (StepGraphError): LoRA dropout > 0 (the dropout seed is a host int baked into the captured
 launches, so every replay would draw the same masks: use dropout=0 or the eager step), a model or
@@ -47,10 +50,13 @@ Cautions:
     the same tma_at_every_size() setting.
   - The host waits on an event only if it runs two steps ahead of the GPU (PinnedUpload).
 """
+from contextlib import nullcontext
+
 import torch
 
 from ..kernels.gemm import tma_at_every_size
 from .batch import Batch, PinnedUpload, pack
+from .dist import step_ends
 from .offload import gather_of
 from .step import forward_backward
 
@@ -93,16 +99,19 @@ class StepGraph:
     """One captured LoRA step (see the module docstring). step(batch, lr) replays it."""
 
     def __init__(self, model, lora, opt, budget, max_docs, plan=None, reducer=None):
-        _check_setup(model, lora, opt, budget, max_docs, plan)
-        self.model, self.lora, self.opt, self.plan, self.reducer = model, lora, opt, plan, reducer
-        self.budget, self.max_docs = budget, max_docs
-        dev = lora.params.device
-        self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
-        self._scale = PinnedUpload(1, torch.float32, dev)
-        self.batch = _static_batch(self._ints.dev, budget, max_docs)
-        # Warm-up and capture content: one document with no target (valid descriptor, zero loss).
-        self._ints.write(self.pack([([0] * budget, [False] * budget)]).host)
-        self._scale.write(1.0)
+        # Data parallel: the set-up agreed on every rank before the warm-up's all-reduces, so that an
+        # error here on one rank stops every rank at the exchange, none in a collective (dist.agreed).
+        with reducer.dist.agreed("setting up the captured step") if reducer is not None else nullcontext():
+            _check_setup(model, lora, opt, budget, max_docs, plan)
+            self.model, self.lora, self.opt, self.plan, self.reducer = model, lora, opt, plan, reducer
+            self.budget, self.max_docs = budget, max_docs
+            dev = lora.params.device
+            self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
+            self._scale = PinnedUpload(1, torch.float32, dev)
+            self.batch = _static_batch(self._ints.dev, budget, max_docs)
+            # Warm-up and capture content: one document with no target (valid descriptor, zero loss).
+            self._ints.write(self.pack([([0] * budget, [False] * budget)]).host)
+            self._scale.write(1.0)
         with tma_at_every_size():  # Hopper: TMA GEMMs for every projection (host cost paid once)
             self._warm_up()
             self._graph, self._loss = self._capture()
@@ -114,21 +123,19 @@ class StepGraph:
 
     def _run(self):
         """The step as captured. Nothing here reads a host value that changes from step to step.
-        Sharded weights: every layer's gather is captured (none is taken as still held)."""
+        Sharded weights: every layer's gather is captured (none is taken as still held). Data
+        parallel: a warm-up that raises on this rank still issues the rest of the step's gathers
+        and buckets, as the other ranks do (dist.step_ends)."""
         gather = gather_of(self.model)
         if gather is not None:
             gather.held.clear()
+            gather.begin_step()
         self.lora.zero_grad()
-        if self.reducer is None:
-            loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
-                                       plan=self.plan)
-        else:  # data parallel: the buckets' all-reduces go into the graph with the backward
+        if self.reducer is not None:
             self.reducer.begin()
-            try:
-                loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
-                                           plan=self.plan, reducer=self.reducer)
-            finally:  # a warm-up that raised still issues every bucket, as the other ranks do
-                self.reducer.finish()
+        with step_ends(self.reducer, gather, passes=1):  # the buckets' all-reduces go into the graph too
+            loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
+                                       plan=self.plan, reducer=self.reducer)
         self.opt.update()
         return loss
 

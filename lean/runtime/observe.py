@@ -108,6 +108,21 @@ class Metrics:
         self.close()
 
 
+class NoMetrics:
+    """The Metrics of a rank other than 0 in a run of several processes: nothing is written (rank 0
+    logs the step's global values)."""
+    kept = []
+
+    def log(self, record):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 def _generation_eos(model_dir) -> set:
     """generation_config.json's eos_token_id (an id or a list: Llama 3 ends turns with <|eot_id|>,
     which its tokenizer's eos_token is not); empty when the folder has none."""

@@ -34,19 +34,23 @@ layer's frozen buffers from the ranks' shards (Gather, one per model, shared by 
                         returns li's full weights, gathered (waiting for its all-gather), and
                         issues the all-gather of layer `ahead` (forward li+1, backward li-1), so it
                         runs under layer li's compute
-The full layers rotate through two buffers per kind of layer: consecutive layers of a kind
-alternate. A gather into a buffer is issued after every launch of the layer that read it last
-(the host's order), and ProcessGroupNCCL's stream waits on the issuing stream at that point: the
-event between them is the collective's own. A layer still held needs no gather (the backward
-starts with the last two layers the forward gathered). On the CPU gloo runs the gather on its own
-thread. A pass without a plan (evaluation) gets a scheduler of the gathers alone.
+The gathers run on a process group of their own (dist.Dist.gathers: on GPUs its own NCCL
+communicator, hence its own stream), so one issued ahead never waits behind a gradient bucket's
+all-reduce; plan.gather_cost prices them so. The full layers rotate through two buffers per kind
+of layer: consecutive layers of a kind alternate. A gather into a buffer is issued after every
+launch of the layer that read it last (the host's order), and ProcessGroupNCCL's stream waits on
+the issuing stream at that point: the event between them is the collective's own. A layer still
+held needs no gather (the backward starts with the last two layers the forward gathered). On the
+CPU gloo runs the gather on its own thread. A pass without a plan (evaluation) gets a scheduler of
+the gathers alone.
 
 On a CPU device there are no streams: the same calls copy synchronously (the CI variant; it runs
 the same slot and buffer bookkeeping, and holds the offloaded rows until retire as the GPU does, so
 the planner's walk equals the CPU step's allocations in every mode).
 
 measure_rates() times the pinned link (each direction) and a layer-sized GEMM once, before the
-plan: the planner prices copies and recomputes with them (plan.Rates).
+plan: the planner prices copies and recomputes with them (plan.Rates); measure_link times the
+sharded weights' all-gather on every rank at once.
 
 Tested: tests/test_offload.py: CPU, NaN-poisoned buffers, gradients equal to keeping everything bit
 for bit; GPU (H100): the same with these streams, under sync_debug_mode("error"), and inside a
@@ -213,11 +217,9 @@ class Gather:
     def weights(self, li, ahead=None):
         self.calls += 1
         self._start(li)
-        try:
+        with self.dist.collective("the weights' all-gather"):
             for w in self.works.pop(li, ()):
                 w.wait()  # a GPU: the compute stream waits for the all-gather's stream (no host sync)
-        except RuntimeError as e:  # a rank died or stopped answering
-            raise self.dist.lost(e, "the weights' all-gather") from e
         if ahead is not None and 0 <= ahead < self.L:
             self._start(ahead)
         return self.full[self.slot[li]][0]
@@ -230,13 +232,11 @@ class Gather:
             return
         self.held[key] = li
         _, buf, qbuf = self.full[key]
-        sh = self.model.layers[li]
-        try:
-            works = [dist.all_gather_single(buf, sh.buf, async_op=True)]
+        sh, group = self.model.layers[li], self.dist.gathers  # their own group: never behind a bucket's all-reduce
+        with self.dist.collective("the weights' all-gather"):
+            works = [dist.all_gather_single(buf, sh.buf, group=group, async_op=True)]
             if sh.qbuf.numel():
-                works.append(dist.all_gather_single(qbuf, sh.qbuf, async_op=True))
-        except RuntimeError as e:
-            raise self.dist.lost(e, "the weights' all-gather") from e
+                works.append(dist.all_gather_single(qbuf, sh.qbuf, group=group, async_op=True))
         self.works[li] = works
 
 
@@ -291,49 +291,60 @@ def rate_weight(model, layers=None):
     return w[:F]
 
 
-def measure_rates(model, n_tokens, repeats=9):
+def measure_rates(model, n_tokens, repeats=9, link=None):
     """plan.Rates on this GPU, measured once before the plan (a setup-time sync): pinned D2H and
     H2D copies of one (n_tokens, F) activation and lean's GEMM at a layer's gate shape
     (n_tokens, C) x (C, F) (on rate_weight's weight), each the fastest of `repeats` after a warm-up
     (what the link and the GEMM can do; single copies vary by up to ~20% between calls), timed with
-    CUDA events. Sharded weights (every rank calls it at once): the GEMM on layer 0 gathered, and
-    `link`, the bytes a rank receives per second in the all-gather of layer 0 (its N-1 other parts).
-    None on a CPU."""
+    CUDA events. Sharded weights: the GEMM on layer 0 gathered, and `link` as measure_link gives it
+    (link None: measured here, so every rank calls this at once; runtime/parallel.py measures the
+    link on every rank first and the rest on rank 0, layer 0 then still held). None on a CPU."""
     from ..kernels.gemm import matmul
     from .plan import DEFAULT_RATES, Rates
     if model.device.type != "cuda":
         return None
+    gather = gather_of(model)
+    if gather is not None and link is None:
+        link = measure_link(model, repeats)
     cfg = model.config
     N, C, F = min(n_tokens, cfg.vocab), cfg.hidden, cfg.intermediate
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
-    gather = gather_of(model)
     w = rate_weight(model, [gather.weights(0)] if gather is not None else None)  # (F, C), or fewer rows
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
     x = model.lm_head[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the head may be on the host)
-
-    def timed(fn):
-        fn()  # warm-up (compiles the GEMM)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()  # sync: setup only, before the first step
-            times.append(start.elapsed_time(end) / 1e3)
-        return min(times)
-
     nbytes = dev.numel() * dev.element_size()
-    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True))
-    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True))
-    flops = 2 * N * C * w.shape[0] / timed(lambda: matmul(out, x, w.t()))
-    link = DEFAULT_RATES.link
-    if gather is not None:
-        import torch.distributed as dist
+    d2h = nbytes / _timed(lambda: host.copy_(dev, non_blocking=True), repeats)
+    h2d = nbytes / _timed(lambda: dev.copy_(host, non_blocking=True), repeats)
+    flops = 2 * N * C * w.shape[0] / _timed(lambda: matmul(out, x, w.t()), repeats)
+    return Rates(d2h=d2h, h2d=h2d, flops=flops, link=DEFAULT_RATES.link if link is None else link)
 
-        part, world = model.layers[0].buf, model.shard.world
-        full = torch.empty(part.numel() * world, dtype=part.dtype, device=part.device)  # (N*S,) scratch
-        link = part.numel() * part.element_size() * (world - 1) / timed(
-            lambda: dist.all_gather_single(full, part, async_op=True).wait())
-    return Rates(d2h=d2h, h2d=h2d, flops=flops, link=link)
+
+def measure_link(model, repeats=9):
+    """Sharded weights, every rank at once (collective): the bytes a rank receives per second in
+    the all-gather of layer 0 (its N-1 other parts), into the Gather's own buffer of layer 0. It
+    allocates nothing, so only a failed collective can raise in it (RankLost on every rank): no
+    rank is left waiting in an all-gather that another never issues. Layer 0 stays held."""
+    import torch.distributed as dist
+
+    gather = gather_of(model)
+    gather.weights(0)  # layer 0 held in its buffer (an all-gather, waited on)
+    _, buf, _ = gather.full[gather.slot[0]]
+    part, world = model.layers[0].buf, model.shard.world
+    with model.shard.dist.collective("measuring the weights' all-gather"):
+        return part.numel() * part.element_size() * (world - 1) / _timed(
+            lambda: dist.all_gather_single(buf, part, group=model.shard.dist.gathers, async_op=True).wait(), repeats)
+
+
+def _timed(fn, repeats):
+    """The fastest of `repeats` timed runs of fn (CUDA events) after one warm-up (it compiles a GEMM)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # sync: setup only, before the first step
+        times.append(start.elapsed_time(end) / 1e3)
+    return min(times)

@@ -136,7 +136,7 @@ def layer_modes(cfg, modes):
 
 
 class Rates(NamedTuple):
-    """What this machine moves and computes per second (offload.measure_rates measures them)."""
+    """What this machine moves and computes per second (offload.measure_rates measures them; link: measure_link)."""
     d2h: float  # pinned device -> host bytes/s (the forward's offloads)
     h2d: float  # pinned host -> device bytes/s (the backward's reloads)
     flops: float  # a layer-sized GEMM's FLOP/s
@@ -144,7 +144,7 @@ class Rates(NamedTuple):
 
 
 # An H100 SXM's measured rates (BENCHMARKS.md): the planner's prices when none are measured (CPU).
-# link: assumed (NCCL's all-gather over NVLink), not measured yet; measure_rates measures it on the GPUs.
+# link: assumed (NCCL's all-gather over NVLink), not measured yet; measure_link measures it on the GPUs.
 DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12, link=100e9)
 
 
@@ -726,7 +726,10 @@ def gather_cost(cfg, modes, n_tokens, act_bytes, rates, world):
     """Predicted seconds sharded weights add to a step: each layer's all-gather (the N-1 parts it
     receives over rates.link) beyond the compute it hides under: the forward's gather of layer
     li+1 under layer li's forward (layer 0's under nothing), the backward's of layer li-1 under
-    layer li's backward and rebuild (the top two layers are still held). Compute as plan_cost's."""
+    layer li's backward and rebuild (the top two layers are still held). Compute as plan_cost's.
+    Assumes the gathers have the link to themselves: they run on their own process group (NCCL
+    communicator and stream: dist.Dist.gathers), so none waits behind a gradient bucket's
+    all-reduce; the all-reduces' share of the link is not priced."""
     if world <= 1:
         return 0.0
     L = cfg.n_layers

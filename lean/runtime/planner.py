@@ -121,6 +121,12 @@ def host_memory_bytes():
         return 0
 
 
+def host_share():
+    """This process's share of the host's memory: all of it, or 1/LOCAL_WORLD_SIZE of it for each
+    of the ranks torchrun starts on this machine (each pins its own offload slots)."""
+    return host_memory_bytes() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+
+
 def early_plan(model, r, targets, dropout, n_tokens, budget_gib):
     """plan_for before the LoRA state exists (its rank, targets and dropout are all a plan reads): a plan
     that moves the embedding table to the host moves it now, so that the adapter's buffers and AdamW's
@@ -135,7 +141,9 @@ def early_plan(model, r, targets, dropout, n_tokens, budget_gib):
 
 def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
-    from the model's tensors on the GPU; pinned host memory is held to half of this machine's memory;
+    from the model's tensors on the GPU; pinned host memory is held to half of this process's share
+    of the machine's memory (host_share: the ranks on this machine split it; model.cache["host"]
+    when the ranks agreed on one, runtime/parallel.py);
     rates price the candidates (None: measured here by offload.measure_rates when a budget is given
     on a GPU, or the weights are sharded (every rank measures together), a setup-time sync, once per
     model and n_tokens: early_plan's measurement serves the plan after it; DEFAULT_RATES on a CPU).
@@ -163,7 +171,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     movable = on_gpu and untied and not moved and budget_bytes is not None
     head_movable = on_gpu and not head_moved and budget_bytes is not None
     r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
-    host = host_memory_bytes()
+    host = model.cache.get("host", host_share())
     on_host = (table if moved else 0) + (head if head_moved else 0)
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,

@@ -15,11 +15,13 @@ What a rank holds after load_sharded (or shard_model on a loaded model):
                        whole; an untied embedding may still go to pinned host memory under a
                        --vram-budget plan)
     model.shard        Sharding(rank, world, dist): what the scheduler and the planner read
-The gathers run on the step's scheduler (offload.Gather, owned by the offload scheduler and shared
-by every pass over the model): two rotating full-size layers per kind of layer (dense, MoE), the
-gather of the next layer issued as a layer starts (forward: li+1, backward: li-1), so it runs under
-that layer's compute; plan.py counts the two buffers in the peak and prices the gathers against the
-all-gather rate offload.measure_rates measures.
+The gathers run on the step's scheduler (offload.Gather, one per model on model.cache, which the
+offload scheduler and every pass over the model share): two rotating full-size layers per kind of
+layer (dense, MoE), the gather of the next layer issued as a layer starts (forward: li+1, backward:
+li-1), so it runs under that layer's compute, on a process group of the gathers' own
+(dist.Dist.gathers). plan.py counts the two buffers in the peak and prices the gathers against the
+all-gather rate offload.measure_link measures. A rank whose pass raises issues the rest of its
+step's gathers before it reports the error (Gather.complete), so no rank waits in one.
 
 Loading: every rank reads the checkpoint on the host (load_model on the CPU), keeps its part of
 each layer on the device and frees the rest; on a GPU the ranks take turns (one whole copy of the
@@ -27,8 +29,10 @@ model in host memory at a time, N load times), on the CPU they load at once. NF4
 load (--load-in-4bit) runs device kernels and is refused here; a checkpoint already in
 bitsandbytes' 4-bit layout loads as stored.
 
-Equal to the unsharded run: the gathered buffers are the same bits, so the step is (tests/test_dist.py:
-3 CPU processes, gloo, against one process; tests/test_dist_gpu.py on 2 GPUs).
+Equal to the unsharded run: the gathered buffers are the same bits, so the step is: bit for bit in
+one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
+and 3 CPU processes (gloo) equal one process to fp32 rounding (the ranks' gradients sum in another
+order). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (written; not run yet).
 Caution: every pass over a sharded model is collective (each rank must run the same layers in the
 same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
 (one rank's generation) are off under --shard-weights.

@@ -76,7 +76,7 @@ import math
 import os
 import random
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,19 +87,20 @@ from .batch import pack
 from .checkpoint import (CHECKPOINT, RunLock, TrainError, data_fingerprint, earlier_run, finished_step, kept,
                          prepare_out_dir, read_checkpoint, restore_checkpoint, run_state, save_checkpoint)
 from .data import load_records, pack_batches, split_heldout, tokenize_records
-from .dist import DIST_TIMEOUT, Dist, GradReducer, RankLost, RunStopped, start, take_step
+from .dist import DIST_TIMEOUT, Dist, GradReducer, Interrupted, RankLost, RunStopped, start, take_step
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
-from .observe import Metrics, Progress, sample
+from .observe import Metrics, NoMetrics, Progress, sample
 from .offload import gather_of
 from .graph import StepGraph
+from . import parallel
 from .optim import AdamW
 from ..kernels.arch import describe
 from .plan import SLACK
 from .planner import early_plan, format_plan, plan_for
 from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
-from .step import forward_backward, loss_eval
+from .step import loss_eval
 from .tokenizer import Tokenizer
 
 @dataclass
@@ -205,9 +206,10 @@ class DataStream:
 
 def evaluate(model, lora, batches, show=False, dist=None) -> tuple:
     """(mean held-out loss, targets) over pre-packed batches; one host read. show: a progress bar.
-    dist (data parallel): rank r evaluates batches r, r + world, ..., the sums are exchanged."""
+    dist (data parallel): rank r evaluates batches r, r + world, ..., the sums are exchanged
+    (parallel.evaluate_shared)."""
     if dist is not None and dist.world > 1:
-        return _evaluate_shared(model, lora, batches, show, dist)
+        return parallel.evaluate_shared(model, lora, batches, show, dist)
     sums, count = [], 0
     bar = Progress(0, len(batches), show, desc="held-out", leave=False)
     for i, b in enumerate(batches):
@@ -217,32 +219,6 @@ def evaluate(model, lora, batches, show=False, dist=None) -> tuple:
         bar.update(f"held-out batch {i + 1}/{len(batches)}")
     bar.close()
     return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
-
-
-def _evaluate_shared(model, lora, batches, show, dist):
-    """evaluate's share of one rank (batches rank, rank + world, ...); an error on any rank stops
-    every rank at the exchange. Sharded weights: every rank runs as many forward passes (a rank out
-    of batches runs the first again, not counted), since each pass gathers the layers together."""
-    mine, gather = batches[dist.rank::dist.world], gather_of(model)
-    rounds = -(-len(batches) // dist.world) if gather is not None else len(mine)
-    total, count, error, sums = 0.0, 0, None, []
-    if gather is not None:
-        gather.begin_step()
-    try:
-        for k in range(rounds):
-            loss_sum, n = loss_eval(model, lora, mine[k] if k < len(mine) else batches[0])
-            if k < len(mine):
-                sums.append(loss_sum)
-                count += n
-        total = sum(t.item() for t in sums)  # sync: eval point
-    except RankLost:
-        raise
-    except Exception as e:  # noqa: BLE001 - reported to every rank by the exchange
-        error = e
-        if gather is not None:  # the rest of the passes' gathers: no rank waits for this one
-            gather.complete(rounds, backward=False)
-    total, count = dist.exchange([total, count], error, "the held-out evaluation")
-    return total / max(count, 1), count
 
 
 def eval_budget(cfg, device) -> int:
@@ -259,14 +235,10 @@ def train(cfg: TrainConfig) -> dict:
     check_config(cfg)  # every setting, before anything loads or is written
     dist = start(cfg)  # data parallel under torchrun (runtime/dist.py); else a single process
     try:
-        with ExitStack() as stack:
-            error = None
-            try:  # one owner per run folder (rank 0): a second run is refused, naming this PID
+        with ExitStack() as stack, parallel.deferred_signals(dist):  # several: Ctrl-C stops every rank together
+            with dist.agreed("taking the run folder"):  # one owner per run folder (rank 0): a second run is refused
                 if dist.main:
                     stack.enter_context(RunLock(cfg.out_dir))
-            except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-                error = e
-            dist.exchange(error=error, what="taking the run folder")
             out = Path(cfg.out_dir)
             try:
                 return _train(cfg, out, dist)
@@ -295,17 +267,19 @@ def _train(cfg, out, dist) -> dict:
     device = dist.device or device  # data parallel on GPUs: cuda:LOCAL_RANK
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    earlier = earlier_run(cfg, dist.world)  # every check before the weights load: a mistake fails fast
     say = print if cfg.progress and dist.main else (lambda *a, **k: None)  # other ranks print errors only
-    say(f"lean-train: {describe(torch.device(device))}", flush=True)  # a GPU below sm_80 is refused here
-    free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
-    done = finished_step(out, cfg) if cfg.resume else None
+    with dist.agreed("checking the run folder and the device"):
+        earlier = earlier_run(cfg, dist.world)  # every check before the weights load: a mistake fails fast
+        say(f"lean-train: {describe(torch.device(device))}", flush=True)  # a GPU below sm_80 is refused here
+        free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
+        done = finished_step(out, cfg) if cfg.resume else None
+    free = parallel.least_free(free, dist)  # several GPUs: every rank plans for the smallest
     if done is not None and (out / "adapter").is_dir():  # nothing left to do (--resume --merge merges it)
         say(f"lean-train: the run in {out} finished at step {done}; its adapter is {out / 'adapter'}", flush=True)
         return {"step": done, "loss": None, "eval_loss": None, "eval_loss_before": None, "tokens": 0,
                 "seconds": 0.0, "finished": True, "adapter": str(out / "adapter")}
     try:
-        loaded = _load_agreed(cfg, device, dtype_name, dtype, dist)
+        loaded = parallel.load_agreed(cfg, device, dtype_name, dtype, dist, _load, _setup)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"interrupted while loading, before anything was written to {out}: run the "
                                 "same command again") from None
@@ -317,19 +291,22 @@ def _train(cfg, out, dist) -> dict:
     if sharded and cfg.sample_tokens:  # a sample is one rank's generation; every rank holds a part of the layers
         say("lean-train: no greedy samples under --shard-weights (the held-out loss is reported)", flush=True)
         cfg = dataclasses.replace(cfg, sample_tokens=0)
-    plan = default_plan(cfg, model, lora, free, say)
-    if cfg.vram_budget is not None:
-        plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
-    elif sharded and plan is None:  # every activation kept: the plan prices and prints the gathers
-        plan = plan_for(model, lora, cfg.max_tokens)
+    with dist.agreed("planning the step"):
+        plan = default_plan(cfg, model, lora, free, say)
+        if cfg.vram_budget is not None:
+            plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
+        elif sharded and plan is None:  # every activation kept: the plan prices and prints the gathers
+            plan = plan_for(model, lora, cfg.max_tokens)
+    parallel.same_plan(plan, dist)  # hence the same graph or eager step on every rank
     if plan is not None and cfg.progress and dist.main:
         print(format_plan(plan), flush=True)
-    if dist.main:
-        out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
     step, epoch, index = 0, 0, 0
-    if resume is not None:
-        st = restore_checkpoint(*resume, lora, opt)
-        step, epoch, index = st["step"], st["epoch"], st["batch_index"]
+    with dist.agreed("preparing the run folder"):
+        if dist.main:
+            out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
+        if resume is not None:
+            st = restore_checkpoint(*resume, lora, opt)
+            step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
     held = sum(len(d[0]) for d in heldout)
     ranks = f"; {dist.world} processes x {cfg.grad_accum} micro-batches a step" if dist.world > 1 else ""
@@ -340,7 +317,9 @@ def _train(cfg, out, dist) -> dict:
     beside = dist.world == 1 and report_in_process(cfg, device, model)  # the report on a second core (report.py)
     jobs, after, finished = [], [], False
     resume_step = step if resume is not None else None
-    with (Metrics(out, tensorboard=cfg.tensorboard, resume_step=resume_step) if dist.main else NoMetrics()) as metrics:
+    with dist.agreed("opening the metrics"):
+        metrics = Metrics(out, tensorboard=cfg.tensorboard, resume_step=resume_step) if dist.main else NoMetrics()
+    with metrics:
         try:
             before = None
             # the untrained model's report, once: a run resumed at step 0 may not have logged it
@@ -384,13 +363,15 @@ def _train(cfg, out, dist) -> dict:
                 jobs.append(job)
             if eval_batches:
                 result["eval_loss"], n = evaluate(model, lora, eval_batches, show=cfg.progress, dist=dist)
-                metrics.log({"kind": "eval", "step": step, "loss": result["eval_loss"], "targets": n})
-            if result["eval_loss_before"] is not None:
-                say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
-            result["sample_before"] = before.text if before is not None else None
-            text = job.result()["sample"] if job is not None else None
-            result["sample_after"] = (_sample(cfg, model, lora, tok, metrics, step, "after", say, text)
-                                      if dist.main else None)
+            with dist.agreed("the final log and sample"):  # rank 0's: an error stops every rank with its text
+                if eval_batches:
+                    metrics.log({"kind": "eval", "step": step, "loss": result["eval_loss"], "targets": n})
+                if result["eval_loss_before"] is not None:
+                    say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
+                result["sample_before"] = before.text if before is not None else None
+                text = job.result()["sample"] if job is not None else None
+                result["sample_after"] = (_sample(cfg, model, lora, tok, metrics, step, "after", say, text)
+                                          if dist.main else None)
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
         except KeyboardInterrupt:
@@ -418,14 +399,15 @@ class Before:
 
     def __init__(self, cfg, model, lora, tok, eval_batches, metrics, job=None, sample=True, dist=None):
         self.cfg, self.model, self.lora, self.tok, self.eval_batches = cfg, model, lora, tok, eval_batches
-        self.metrics, self.job, self.text, self.sample, self.dist = metrics, job, None, sample, dist
+        self.metrics, self.job, self.text, self.sample, self.dist = metrics, job, None, sample, dist or Dist()
 
     def report(self, say):
         """Log and print the report; returns the held-out loss (None without a held-out set)."""
         cfg, got = self.cfg, self.job.result() if self.job is not None else None
-        if self.sample:
-            text = got["sample"] if got else None
-            self.text = _sample(cfg, self.model, self.lora, self.tok, self.metrics, 0, "before", say, text)
+        with self.dist.agreed("the sample before training"):  # rank 0's: every rank hears of an error
+            if self.sample:
+                text = got["sample"] if got else None
+                self.text = _sample(cfg, self.model, self.lora, self.tok, self.metrics, 0, "before", say, text)
         if got:
             ev = got["eval"]
         else:
@@ -433,7 +415,8 @@ class Before:
                   if self.eval_batches else None)
         if ev is None:
             return None
-        self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
+        with self.dist.deferred():  # rank 0's file: an error stops every rank at the next exchange
+            self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
         say(f"held-out loss before training: {ev[0]:.4f} ({ev[1]} target tokens)", flush=True)
         return ev[0]
 
@@ -471,43 +454,28 @@ def default_plan(cfg, model, lora, free, say=print):
     return plan_for(model, lora, cfg.max_tokens, budget_bytes=free)
 
 
-def _load_agreed(cfg, device, dtype_name, dtype, dist):
-    """_load on every rank, the ranks agreeing that it worked (an error on one stops all). Rank 0
-    reads the checkpoint first (it may set checkpoint.old in place of a broken one), the others after."""
-    if dist.world == 1:
-        return _load(cfg, device, dtype_name, dtype)
-    loaded, error = None, None
-    try:
-        loaded = _load(cfg, device, dtype_name, dtype, read=dist.main, world=dist.world, dist=dist)
-    except RunStopped:  # agreed already (the sharded load's turns)
-        raise
-    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-        error = e
-    dist.exchange(error=error, what="loading")
-    if cfg.resume:  # rank 0 has read it (and set checkpoint.old in place of a broken one): the others now
-        try:
-            if not dist.main:
-                loaded = loaded[:5] + (read_checkpoint(cfg.out_dir, cfg, loaded[4], dist.world),) + loaded[6:]
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-            error = e
-        dist.exchange(error=error, what="reading the checkpoint")
-    return loaded
-
-
 def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
     """Model folder, tokenizer, documents, checkpoint (checked; read: here), weights (sharded over
-    the ranks with --shard-weights), LoRA, AdamW, held-out batches."""
+    the ranks with --shard-weights). Several processes: parallel.load_agreed calls it on each."""
     model_dir = resolve_model(cfg.model, dtype_name)
     tok = Tokenizer.from_dir(model_dir)
     train_docs, heldout, _ = build_data(cfg, tok)
     fingerprint = data_fingerprint(train_docs)
     resume = read_checkpoint(cfg.out_dir, cfg, fingerprint, world) if cfg.resume and read else None
-    try:
+    with _out_of_memory(model_dir, dtype_name, device):
         if cfg.shard_weights and world > 1:
             from .shard import load_sharded
             model = load_sharded(model_dir, dtype, device, dist, quant=cfg.quant)
         else:
             model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
+    return model_dir, tok, train_docs, heldout, fingerprint, resume, model
+
+
+def _setup(cfg, device, dtype_name, loaded):
+    """(LoRA, AdamW, held-out batches) of what _load loaded; under --vram-budget on a GPU the early
+    plan first (it may move the embedding table to the host before the LoRA state is allocated)."""
+    model_dir, heldout, model = loaded[0], loaded[3], loaded[6]
+    with _out_of_memory(model_dir, dtype_name, device):
         if cfg.vram_budget is not None and device.startswith("cuda"):
             early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens, cfg.vram_budget)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
@@ -517,12 +485,19 @@ def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
         if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
             lora.base_model_name = str(cfg.model)        # stays an id, not this machine's cache folder
         opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or None)
+    return lora, opt, eval_batches
+
+
+@contextmanager
+def _out_of_memory(model_dir, dtype_name, device):
+    """An OOM while the model and its LoRA state load: a TrainError naming the fixes."""
+    try:
+        yield
     except (torch.cuda.OutOfMemoryError, MemoryError) as e:
         where = "GPU" if isinstance(e, torch.cuda.OutOfMemoryError) else "host"
         raise TrainError(f"out of {where} memory loading {model_dir} in {dtype_name} on {device} ({e}): "
                          "the model does not fit; use a smaller model, bfloat16 (--dtype), 4-bit base "
                          "weights (--load-in-4bit), or a GPU with more memory") from e
-    return model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches
 
 
 def _sample(cfg, model, lora, tok, metrics, step, when, say, text=None):
@@ -555,32 +530,14 @@ GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs ea
 def _step_graph(cfg, model, lora, opt, device, plan, reducer=None, dist=None):
     """The captured step where it applies (see the module docstring), else None. Data parallel
     (reducer): the gradient's all-reduce is captured inside it; if the capture fails on any rank,
-    every rank runs eagerly and the first says why."""
+    every rank runs eagerly and the first says why (parallel.capture)."""
     if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0):
         return None
     if model.config.aux_loss_coef > 0:  # the load-balancing loss would count a captured step's padding
         return None
     if reducer is None:
         return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan)
-    graph, why = None, None
-    try:
-        graph = StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan, reducer=reducer)
-    except Exception as e:  # noqa: BLE001 - every rank falls back together
-        why = f"rank {dist.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    failed = dist.exchange([why is not None], what="capturing the step")[0]
-    if failed:
-        if why is not None:
-            print(f"lean-train: the captured step with its all-reduce inside failed ({why}); every rank "
-                  "runs the step eagerly (--no-graph skips the attempt)", flush=True)
-        torch.cuda.empty_cache()
-        return None
-    return graph
-
-
-def _graph_fits(graph, share):
-    """Every rank's batch of the step fits the graph's document slots (the padding document takes
-    one): decided from the host's view of every rank's micro-batch, so all ranks agree."""
-    return all(len(d) < graph.max_docs for d in share.every)
+    return parallel.capture(cfg, model, lora, opt, plan, reducer, dist, GRAPH_DOCS)
 
 
 def _check_finite(out, step, lr, **values):
@@ -591,56 +548,6 @@ def _check_finite(out, step, lr, **values):
             raise TrainError(f"{name.replace('_', ' ')} is {x} at step {step} (lr {lr:.3g}): start over with a "
                              "lower --lr (or a longer --warmup) and --overwrite, and check the data for broken "
                              f"records; the last checkpoint in {out / CHECKPOINT} is untouched")
-
-
-class NoMetrics:
-    """The metrics of a rank other than 0: nothing is written (rank 0 logs the step's global values)."""
-    kept = []
-
-    def log(self, record):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-def _eager_step(cfg, model, lora, share, device, vocab, plan, reducer, dist):
-    """This rank's micro-batches of the step, eagerly: zero-grad, forward_backward on each with the
-    step's global 1 / targets (dropout seeds of the global micro-batch index), the gradient's
-    all-reduce under the last backward. Data parallel: an error here is reported at the exchange,
-    after the same collectives as every other rank's, and every rank raises RunStopped. Returns the
-    device loss sums."""
-    lora.zero_grad()
-    base, sums, error, gather = lora.steps, [], None, gather_of(model)
-    if reducer is not None:
-        reducer.begin()
-    if gather is not None:
-        gather.begin_step()
-    try:
-        if dist.pending is None:  # a deferred error of rank 0 loses this step anyway
-            batches = [pack(d, cfg.max_tokens, device=device, vocab=vocab) for d in share.docs]
-            for j, b in enumerate(batches):
-                lora.steps = base + share.first + j  # forward_backward draws seed number base + first + j + 1
-                last = reducer if j == len(batches) - 1 else None
-                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(share.n_targets, 1), plan=plan,
-                                               reducer=last)
-                sums.append(loss_sum)
-    except RankLost:  # no exchange is possible any more
-        raise
-    except Exception as e:  # noqa: BLE001 - one process: raised as is; several: at the exchange
-        if dist.world == 1:
-            raise
-        error = e
-    if gather is not None and (error is not None or dist.pending is not None):
-        gather.complete(len(share.docs), reducer)  # the step's remaining gathers and buckets, in order
-    lora.steps = base + share.count
-    if reducer is not None:
-        reducer.finish()
-    dist.exchange(error=error, what="the step")
-    return sums
 
 
 def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None,
@@ -670,9 +577,8 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
             t0 = time.time()
             if step == cfg.steps - 1 and last_step is not None:
                 last_step()
-            share = take_step(stream, dist, cfg.grad_accum)  # this rank's micro-batches, the step's counts
-            docs, n_targets, n_tokens = share.docs, share.n_targets, share.n_tokens
-            fits = graph is not None and _graph_fits(graph, share)
+            share = take_step(stream, dist, cfg.grad_accum)  # this rank's micro-batches (several: the step's counts)
+            fits = graph is not None and parallel.graph_fits(graph, share)
             if not fits and graph is not None and plan is not None:
                 # A budget has no room for the graph's memory and an eager step's: drop the graph.
                 progress.write(f"step {step + 1}: {max(len(d) for d in share.every)} documents, more than the "
@@ -682,19 +588,16 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                 torch.cuda.empty_cache()
             lr = lr_at(step + 1, cfg)
             if fits:  # the captured step: one replay
-                fixed, error = None, None
-                try:
-                    fixed = graph.pack(docs[0], vocab=vocab)
-                except Exception as e:  # noqa: BLE001 - one process: raised as is; several: at the exchange
-                    if dist.world == 1:
-                        raise
-                    error = e
-                dist.exchange(error=error, what="the step")
+                with dist.agreed("the step"):  # several processes: every rank's batch packed, or all stop
+                    fixed = graph.pack(share.docs[0], vocab=vocab)
+                n_targets, n_tokens = ((share.n_targets, share.n_tokens) if dist.world > 1 else  # every rank's
+                                       (fixed.n_targets, sum(fixed.doc_lens[:len(share.docs[0])])))  # not the padding
                 in_update, base = True, lora.steps
                 sums = [graph.step(fixed, lr=lr, n_targets=n_targets)[0]]
                 lora.steps = base + share.count  # global micro-batches (the graph counted its own)
             else:
-                sums = _eager_step(cfg, model, lora, share, device, vocab, plan, reducer, dist)
+                sums, n_targets, n_tokens = parallel.eager_step(cfg, model, lora, share, device, vocab, plan, reducer,
+                                                                dist)
                 in_update = True
                 opt.step(lr=lr)
             loss = dist.gather_loss(sums) / max(n_targets, 1)  # sync: log point (every rank's losses)
@@ -730,14 +633,14 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
         if in_update or step == done_at_start:  # an update half done, or nothing new to keep
             raise
         try:  # the parameters are whole: an OOM leaves them as the last completed step left them
-            saved = _save(dist, out, lora, opt, state())
+            saved = parallel.save_main(dist, out, lora, opt, state())
         except Exception:
             raise e from None
         raise _oom_error(cfg, e, saved) from e
     except RunStopped as e:  # a step failed on some rank; every rank is here with the same text
         progress.close()
-        saved = None if step == done_at_start else _save_agreed(dist, out, lora, opt, state())
-        raise (_oom_error(cfg, e, saved) if e.oom else _stopped(e, out, step, saved)) from e
+        saved = None if step == done_at_start else parallel.save_agreed(dist, out, lora, opt, state())
+        raise (_oom_error(cfg, e, saved) if e.oom else parallel.stopped(e, out, step, saved)) from e
     except RankLost as e:  # a rank died: no more collectives; rank 0 keeps what it safely can
         progress.close()
         saved = None
@@ -746,58 +649,39 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                 saved = save_checkpoint(out, lora, opt, state())
             except Exception:  # noqa: BLE001 - the message says what is kept
                 saved = None
-        raise _stopped(e, out, step, saved) from e
-    except KeyboardInterrupt:
+        raise parallel.stopped(e, out, step, saved) from e
+    except KeyboardInterrupt as e:  # several processes: Interrupted, every rank at the same exchange
         progress.close()
         if in_update:
             raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}, which cannot be saved: "
                                     f"{kept(out)}") from None
-        raise _save_interrupted(out, lora, opt, state(), f"interrupted after step {step}", dist) from None
+        raise _save_interrupted(out, lora, opt, state(), f"interrupted after step {step}", dist, e) from None
     progress.close()
     try:
-        with dist.deferred():  # rank 0 writes; every rank hears of an error at the exchange below
+        with dist.agreed("the final save"):  # rank 0 writes; every rank hears of an error
             if cfg.save_every and dist.main:
                 save_checkpoint(out, lora, opt, state())
             if dist.main:
                 lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
-        dist.exchange(what="the final save")
-    except KeyboardInterrupt:
-        raise _save_interrupted(out, lora, opt, state(),
-                                f"interrupted after the last step ({step}), before the adapter was written", dist) from None
+    except KeyboardInterrupt as e:  # Interrupted: at the exchange, after rank 0's writes
+        written = (f"its adapter written in {out / 'adapter'}" if isinstance(e, Interrupted) else
+                   "before the adapter was written")
+        raise _save_interrupted(out, lora, opt, state(), f"interrupted after the last step ({step}), {written}",
+                                dist, e) from None
     return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}
 
 
-def _stopped(e, out, step, saved) -> TrainError:
-    """The TrainError of a run stopped by another rank: the cause, then what is saved."""
-    if saved:
-        return TrainError(f"{e}: the checkpoint of step {step} is saved in {saved}: continue with the same "
-                          "command plus --resume")
-    return TrainError(f"{e}: {kept(out)}")
-
-
-def _save(dist, out, lora, opt, state):
-    """save_checkpoint on rank 0, the only rank that writes; the checkpoint's path on every rank."""
-    return save_checkpoint(out, lora, opt, state) if dist.main else out / CHECKPOINT
-
-
-def _save_agreed(dist, out, lora, opt, state):
-    """The last completed step's checkpoint, saved by rank 0 after a step failed on some rank (the
-    parameters are whole: the update had not begun); every rank learns its path, or None."""
-    saved = None
-    if dist.main:
-        try:
-            saved = str(save_checkpoint(out, lora, opt, state))
-        except Exception:  # noqa: BLE001 - the message then names the checkpoint kept
-            saved = None
-    return dist.broadcast(saved)
-
-
-def _save_interrupted(out, lora, opt, state, what, dist=None) -> KeyboardInterrupt:
+def _save_interrupted(out, lora, opt, state, what, dist=None, e=None) -> KeyboardInterrupt:
     """The checkpoint of a Ctrl-C saved; the KeyboardInterrupt to raise says what is saved and what
     to run next (a second Ctrl-C during the save leaves the previous checkpoint, and says so).
-    Data parallel: rank 0 saves it, the other ranks say so."""
-    if dist is not None and not dist.main:
+    Several processes: after a stop every rank agreed on (e: dist.Interrupted) rank 0 saves and
+    every rank raises its words; after a second signal (no agreement) rank 0 saves, the others say so."""
+    several = dist is not None and dist.world > 1
+    if several and isinstance(e, Interrupted):
+        what += parallel.who_stopped(e)
+        return parallel.save_interrupted(dist, lambda: _save_interrupted(out, lora, opt, state, what), what, out)
+    if several and not dist.main:
         return KeyboardInterrupt(f"{what}: rank 0 saves the checkpoint of step {state['step']} in "
                                  f"{out / CHECKPOINT}; continue with the same command plus --resume")
     try:

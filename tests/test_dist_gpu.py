@@ -1,9 +1,10 @@
 """Data parallel and sharded weights on 2 GPUs (NCCL): the CPU file's equalities in bf16, the step
 graph with its all-reduce inside, and what sharding saves. Skipped with fewer than 2 GPUs.
 
-Run on an nvidia-h100-x2 (or larger) machine: `tools/gpu_check.sh dist 2` (these tests, then the
-multi-GPU bench). Every rank is a tests.dist_worker process (tests/test_dist.py's run_ranks) on
-cuda:LOCAL_RANK; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by lean.runtime.dist).
+Run on an nvidia-h100-x2 (or larger) machine: `tools/gpu_check.sh dist-tests` (one device call;
+the multi-GPU bench is `dist-bench 2`, another). Every rank is a fresh `python -m tests.dist_worker`
+process (tests/test_dist.py's run_ranks; no fork: no CUDA state may cross one) on cuda:LOCAL_RANK;
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by lean.runtime.dist). Not run yet.
 Tolerance (the project's rule, on the LoRA parameters after the run, relative L2): a bf16 run's
 distance to the same run in one process is at most twice that one-process run's own distance to
 its fp32 twin (the bf16 error torch-style rules allow), plus 1e-6.
@@ -19,7 +20,7 @@ from tests.hf_models import build_hf, tiny_config
 from tests.test_dist import _cfg, _ok, _state, run_ranks, setup  # noqa: F401 - the module's fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: tools/gpu_check.sh dist 2 on an nvidia-h100-x2 machine")]
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: tools/gpu_check.sh dist-tests on an nvidia-h100-x2 machine")]
 
 
 RUN = dict(steps=3, max_tokens=64, save_every=3, targets=["q", "down"])  # on a GPU the runs can be longer

@@ -6,10 +6,12 @@
 #   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py kernels (e.g. --only attention,lora)
 #   tools/gpu_check.sh step [ARGS]  # the step bench, lean and the peers: ARGS go to bench.py step
 #   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)
-#   tools/gpu_check.sh dist N [ARGS] # several GPUs (an nvidia-h100-x2 / -x4 machine): the multi-GPU tests
-#                                   # (tests/test_dist_gpu.py), then bench.py step --nproc N ARGS (lean on N
-#                                   # GPUs beside one, HF+PEFT through accelerate launch); NVLink multicast
-#                                   # stays off (NCCL_NVLS_ENABLE=0 ...); logs dist-tests.log, dist.log, dist.json
+#   tools/gpu_check.sh dist-tests   # several GPUs (an nvidia-h100-x2 / -x4 machine): tests/test_dist_gpu.py
+#                                   # (cap TESTS_TIMEOUT); log dist-tests.log
+#   tools/gpu_check.sh dist-bench N [ARGS]  # bench.py step --nproc N ARGS: lean on N GPUs beside one, HF+PEFT
+#                                   # through accelerate launch (cap STEP_TIMEOUT); logs dist.log, dist.json.
+#                                   # Two parts, two device calls: each cap fits one call's 600 s. NVLink
+#                                   # multicast stays off in both (NCCL_NVLS_ENABLE=0 ...)
 #   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
 #                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
 #                                   # logs get a -portable suffix (tests-portable.log, ...)
@@ -41,11 +43,12 @@ PART=${1:-all}
 case "$PART" in
     all) [ $# -eq 0 ] || { echo "gpu_check.sh: extra args need a part (tests ARGS, bench ARGS)"; exit 2; } ;;
     tests|bench|step) ;;
-    dist) NPROC=${1:-}
-          [[ "$NPROC" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: dist needs the GPU count first (dist 2 [ARGS])"; exit 2; }
+    dist-tests) [ $# -eq 0 ] || { echo "gpu_check.sh: dist-tests takes no args"; exit 2; } ;;
+    dist-bench) NPROC=${1:-}
+          [[ "$NPROC" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: dist-bench needs the GPU count first (dist-bench 2 [ARGS])"; exit 2; }
           shift ;;
     wheels) [ $# -eq 0 ] || { echo "gpu_check.sh: wheels takes no args"; exit 2; } ;;
-    *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step, dist or wheels)"; exit 2 ;;
+    *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step, dist-tests, dist-bench or wheels)"; exit 2 ;;
 esac
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-270}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-190}
@@ -91,12 +94,16 @@ tests_rc=skipped
 bench_rc=skipped
 step_rc=skipped
 dist_rc=skipped
-if [ "$PART" = dist ]; then
+if [ "$PART" = dist-tests ] || [ "$PART" = dist-bench ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes' rule
-    nvidia-smi topo -m 2>/dev/null | head -n $((NPROC + 1))
+    nvidia-smi topo -m 2>/dev/null | head -n 9
+fi
+if [ "$PART" = dist-tests ]; then
     echo "=== multi-GPU tests (cap ${TESTS_TIMEOUT}s)"
     timeout "$TESTS_TIMEOUT" python3 -m pytest -q --durations=10 tests/test_dist_gpu.py 2>&1 | tee "$OUT/dist-tests$SUFFIX.log"
     tests_rc=$?
+fi
+if [ "$PART" = dist-bench ]; then
     echo "=== bench step --nproc $NPROC (cap ${STEP_TIMEOUT}s)"
     timeout "$STEP_TIMEOUT" python3 tools/bench.py step --nproc "$NPROC" --json "$OUT/dist$SUFFIX.json" "$@" 2>&1 \
         | tee "$OUT/dist$SUFFIX.log"
@@ -132,7 +139,7 @@ echo
 echo "=================================== recap${SUFFIX:+ (LEAN_PORTABLE=1)} ==================================="
 if [ "$tests_rc" != skipped ]; then
     log="$OUT/tests$SUFFIX.log"
-    [ "$PART" = dist ] && log="$OUT/dist-tests$SUFFIX.log"
+    [ "$PART" = dist-tests ] && log="$OUT/dist-tests$SUFFIX.log"
     grep -E "^(FAILED|ERROR) " "$log" | cut -c1-160 | head -20
     summary=$(tail -n 1 "$log")
     [ "$tests_rc" = 124 ] && summary="killed at ${TESTS_TIMEOUT}s"

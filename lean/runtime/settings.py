@@ -3,7 +3,7 @@
     check_config(cfg)          # ConfigError naming the flag, the value and what is allowed
     RANGES["lr"].text          # "a number in (0, 1]": the same words in --help and in the error
 
-Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
+check_export_gguf: lean-train --export-gguf's type. Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
 --steps, the LoRA targets, --dtype and --device against this machine, --resume with --overwrite,
 empty --out/--model/--data/--sample-prompt, that --model and --data paths that look local exist
 (a hub id is fetched later), and an --out that is or lies in the --data folder, or is the
@@ -157,6 +157,19 @@ def _check_out(out, model, data):
     if m.is_dir() and o == m:
         raise ConfigError(f"--out {out} is the --model folder: the run's files would mix with the model's; "
                           "pass another --out")
+
+
+def check_export_gguf(gguf_type):
+    """--export-gguf TYPE: ConfigError for a type the GGUF export does not write (None: no export)."""
+    if gguf_type is None:
+        return None
+    from .gguf import GGUFError
+    from .gguf_export import check_type
+
+    try:
+        return check_type(gguf_type)
+    except GGUFError as e:
+        raise ConfigError(f"--export-gguf {gguf_type}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _check_paths(model, data):

@@ -1,0 +1,177 @@
+"""The merged model's rows, read on demand: what gguf_export.py quantises and writes, one chunk of
+rows at a time, so that no tensor (let alone the model) is ever whole in memory.
+
+Shape legend: O / K a weight's output / input dims (HF's (out, in) orientation), E experts, R rank.
+
+    src = Shards(model_dir)                             # the safetensors shards' headers (lazy reads)
+    lora = load_adapter(model_dir, adapter_dir)         # the PEFT adapter, validated by lean's loader
+    w = merged_rows(src, lora, name, e, idx)            # (len(idx), K) float32
+
+merged_rows(src, lora, name, e, idx) = (W[e] (out, in))[idx] + scale * B[e][idx] @ A[e]:
+  - W's rows read through safetensors' slices (only the rows asked for, from one contiguous span),
+    in the stored dtype, widened to fp32 on the host;
+  - GPT-OSS's bf16 experts, stored (E, in, out), are read one expert at a time and transposed;
+    its MXFP4 experts (*_blocks, *_scales; Wd (E, out, in), 32-value blocks along in) are decoded
+    exactly (mxfp4_rows: e2m1 value * 2^(s-127), exact in fp32, as kernels/mxfp4.py);
+  - the hub's per-expert Qwen3-MoE tensors (mlp.experts.{e}.gate_proj.weight ...) stand in for the
+    fused ones (rows [0, Fe) of gate_up from gate_proj, [Fe, 2Fe) from up_proj);
+  - the LoRA product is added in fp32: numpy on the host (device None), or lean's matmul kernel
+    (W += scale * B A, kernels/gemm.py, as merge.py) on a torch device, the rows copied there and back.
+The adapter is read by lean's own PEFT loader (LoRA.load) onto a stand-in model that holds the
+config only (no weights): the same checks as training's (shapes, ranks, targets, patterns).
+Tested: tests/test_gguf_export.py (merged rows against W + scale B A in torch on every architecture,
+the matmul path against numpy, MXFP4 against kernels/mxfp4.py's reference).
+"""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from .gguf import GGUFError
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+class Shards:
+    """The tensors of a model folder's safetensors shards, by name; each read opens its shard
+    (safe_open maps the file; the rows asked for are copied out)."""
+
+    def __init__(self, model_dir):
+        from safetensors import safe_open
+
+        from .loader import shard_files
+
+        self.dir = Path(model_dir)
+        self.where, self.shapes = {}, {}
+        for f in shard_files(self.dir):
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    self.where[name] = f
+                    self.shapes[name] = tuple(h.get_slice(name).get_shape())
+        self._open = {}
+        self.nf4 = None  # a QLoRA run's base: Nf4Base, which base_rows reads the projections through
+
+    def __contains__(self, name):
+        return name in self.where
+
+    def slice(self, name):
+        from safetensors import safe_open
+
+        f = self.where[name]
+        if f not in self._open:
+            self._open[f] = safe_open(str(f), framework="pt")
+        return self._open[f].get_slice(name)
+
+    def rows(self, name, lo, hi, e=None) -> np.ndarray:
+        """Rows lo..hi of tensor `name` (of expert e), fp32."""
+        s = self.slice(name)
+        t = s[lo:hi] if e is None else s[e, lo:hi]
+        return t.to(torch.float32).numpy()
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(n, G, 16) uint8 e2m1 pairs (value 2i low nibble) and (n, G) e8m0 scales -> (n, 32 G) fp32."""
+    vals = np.stack([_E2M1[blocks & 15], _E2M1[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    return np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(blocks.shape[0], -1)
+
+
+def base_rows(src: Shards, name: str, e, idx: np.ndarray, transposed: bool, fe: int = 0) -> np.ndarray:
+    """W[e][idx] in (out, in) orientation, fp32 (idx: sorted up to one permutation within its span)."""
+    lo, hi = int(idx.min()), int(idx.max()) + 1
+    if src.nf4 is not None and name in src.nf4.names:
+        return src.nf4.weight(src, name)[idx]
+    if name in src:
+        if transposed:  # (E, in, out): the expert whole, transposed
+            w = src.slice(name)[e].to(torch.float32).numpy().T
+            return np.ascontiguousarray(w[idx])
+        return src.rows(name, lo, hi, e)[idx - lo]
+    if name + "_blocks" in src:  # MXFP4: Wd (E, out, in)
+        blocks = src.slice(name + "_blocks")[e, lo:hi].numpy()
+        scales = src.slice(name + "_scales")[e, lo:hi].numpy()
+        return mxfp4_rows(blocks, scales)[idx - lo]
+    pre, _, kind = name.rpartition(".")  # the hub's per-expert Qwen3-MoE tensors
+    if kind == "gate_up_proj":
+        part, lo, hi = ("gate_proj", lo, hi) if hi <= fe else ("up_proj", lo - fe, hi - fe)
+        return src.rows(f"{pre}.{e}.{part}.weight", lo, hi)[idx - idx.min()]
+    return src.rows(f"{pre}.{e}.{kind}.weight", lo, hi)[idx - lo]
+
+
+class Nf4Base:
+    """The base weights a QLoRA run trained on (quant "nf4"): each of the seven projections cast to the
+    run's dtype, quantised to NF4 with double quantisation and dequantised to fp32 by lean's kernels
+    (kernels/nf4.py, on `device`; the interpreter's on the CPU), as the loader and merge.py make them.
+    NF4's nested absmax offset is the mean over the whole tensor: a projection is quantised whole, and
+    kept until the next one is asked for."""
+
+    def __init__(self, cfg, dtype, device):
+        import dataclasses
+
+        from ..models.weights import nf4_projections
+
+        qcfg = dataclasses.replace(cfg, weight_quant="nf4")
+        self.names = {f"{m}.weight" for li in range(cfg.n_layers) for _, m, _ in nf4_projections(qcfg, li)}
+        self.block, self.dtype, self.device = qcfg.quant_block, dtype, torch.device(device)
+        self.name, self.w = None, None
+
+    def weight(self, src, name) -> np.ndarray:
+        from ..kernels.nf4 import empty_nf4, nf4_quantize
+
+        if name != self.name:
+            self.name, self.w = None, None  # the last one goes before the next is made
+            t = src.slice(name)[:].to(device=self.device, dtype=self.dtype)  # (O, K) in the run's dtype
+            q = empty_nf4(*t.shape, self.device, self.block)
+            nf4_quantize(q, t)
+            self.name, self.w = name, q.dense().cpu().numpy()  # sync: the dequantised base goes to the host
+        return self.w
+
+
+def merged_rows(src: Shards, lora, name, e, idx, transposed=False, fe=0, device=None) -> np.ndarray:
+    """(W[e] + scale * B[e] A[e])[idx] in fp32: the rows of a merged weight (see the module docstring).
+    lora: None or (a, b, scale) with a (R, K) / (E, R, K), b (O, R) / (E, O, R) host or device tensors."""
+    w = base_rows(src, name, e, idx, transposed, fe)
+    if lora is None:
+        return w
+    a, b, scale = lora
+    if e is not None:
+        a, b = a[e], b[e]
+    if device is None:  # numpy on the host
+        w += np.float32(scale) * (b.numpy()[idx] @ a.numpy())
+        return w
+    from ..kernels.gemm import matmul
+
+    wd = torch.from_numpy(w).to(device)  # (n, K) fp32
+    matmul(wd, b[torch.from_numpy(idx).to(b.device)].contiguous(), a, accumulate=True, alpha=scale)
+    return wd.cpu().numpy()  # sync: the merged rows go to the quantiser on the host
+
+
+def load_adapter(model_dir, adapter_dir, device="cpu"):
+    """{HF weight name: (a, b, scale)} of a PEFT adapter for the model in model_dir (fp32, on
+    `device`), loaded and checked by lean's LoRA.load; GGUFError when it does not fit the model."""
+    from ..models.weights import layer_fields
+    from .loader import read_config
+    from .lora import ADAPTER_CONFIG, LoRA, LoRAError
+
+    cfg = read_config(Path(model_dir))
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_CONFIG).is_file():
+        raise GGUFError(f"{adapter_dir} holds no adapter ({ADAPTER_CONFIG} is missing): export a run that has "
+                        "finished (its adapter/ folder), or the base model without --adapter")
+    stand_in = SimpleNamespace(config=cfg, path=str(model_dir), device=torch.device(device), dtype=torch.float32)
+    try:
+        lora = LoRA.load(stand_in, adapter_dir)
+    except LoRAError as e:
+        raise GGUFError(str(e)) from None
+    out = {}
+    for li in range(cfg.n_layers):
+        suffix = {f: s for f, s, _ in layer_fields(cfg, li, dequantised=True)}
+        for t, ad in lora.layers[li].items():
+            scale = ad.scale if ad.scale is not None else lora.scale
+            out[f"model.layers.{li}.{suffix[t]}"] = (ad.a, ad.b, scale)
+    return out, lora
+
+
+def adapter_alpha(adapter_dir) -> float:
+    """lora_alpha of a PEFT adapter config (llama.cpp scales by alpha / rank, rank read from A)."""
+    return float(json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("lora_alpha", 8))

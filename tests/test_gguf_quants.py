@@ -321,3 +321,119 @@ def test_bad_input_is_refused():
         quantize(np.zeros((2, 256), f32), T.IQ4_XS)
     with pytest.raises(ValueError, match="do not hold"):
         dequantize(np.zeros(100, np.uint8), T.Q6_K, (2, 256))
+
+
+# ----------------------------------------------------------------------------- Q4_K_M's tensor types
+# The layers use_more_bits(i, n) picks (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2), worked out by hand:
+MORE = {16: {0, 1, 4, 7, 10, 13, 14, 15}, 24: {0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23},
+        28: {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27},
+        30: {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29},
+        48: {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47},
+        4: {2, 3}}
+
+
+def layout(n_layer, C, F, q_dim, kv_dim, vocab, *, tied, experts=0, qk_norm=False, extra=()):
+    """(gguf name, numpy shape) of a llama.cpp-named decoder, shuffled (the rule must not care)."""
+    ts = [("token_embd.weight", (vocab, C)), ("output_norm.weight", (C,))] + list(extra)
+    if not tied:
+        ts.append(("output.weight", (vocab, C)))
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        ts += [(b + "attn_norm.weight", (C,)), (b + "ffn_norm.weight", (C,)), (b + "attn_q.weight", (q_dim, C)),
+               (b + "attn_k.weight", (kv_dim, C)), (b + "attn_v.weight", (kv_dim, C)),
+               (b + "attn_output.weight", (C, q_dim))]
+        if qk_norm:
+            ts += [(b + "attn_q_norm.weight", (128,)), (b + "attn_k_norm.weight", (128,))]
+        if experts:
+            ts += [(b + "ffn_gate_inp.weight", (experts, C)), (b + "ffn_gate_exps.weight", (experts, F, C)),
+                   (b + "ffn_up_exps.weight", (experts, F, C)), (b + "ffn_down_exps.weight", (experts, C, F))]
+        else:
+            ts += [(b + "ffn_gate.weight", (F, C)), (b + "ffn_up.weight", (F, C)), (b + "ffn_down.weight", (C, F))]
+    order = np.random.default_rng().permutation(len(ts))
+    return [ts[i] for i in order]
+
+
+def expect(ts, per_layer, **fixed):
+    """The expected type of every tensor: fixed[name], 1-D and norms F32, per_layer(kind, i) otherwise."""
+    out = {}
+    for name, shape in ts:
+        if name in fixed:
+            out[name] = fixed[name]
+        elif len(shape) == 1 or name.endswith("_norm.weight") or "ffn_gate_inp" in name:
+            out[name] = T.F32
+        else:
+            _, i, kind, _ = name.split(".")
+            out[name] = per_layer(kind, int(i))
+    return out
+
+
+def test_q4_k_m_llama_3_2_1b():
+    ts = layout(16, 2048, 8192, 2048, 512, 128256, tied=True, extra=[("rope_freqs.weight", (32,))])
+    more = lambda kind, i: T.Q6_K if kind in ("attn_v", "ffn_down") and i in MORE[16] else T.Q4_K
+    got = q4_k_m_types(ts, arch="llama", n_layer=16, n_head=32, n_head_kv=8)
+    assert got == expect(ts, more, **{"token_embd.weight": T.Q6_K})  # tied: output's rule
+
+
+def test_q4_k_m_qwen3_0_6b():
+    ts = layout(28, 1024, 3072, 2048, 1024, 151936, tied=True, qk_norm=True)
+    more = lambda kind, i: T.Q6_K if kind in ("attn_v", "ffn_down") and i in MORE[28] else T.Q4_K
+    got = q4_k_m_types(ts, arch="qwen3", n_layer=28, n_head=16, n_head_kv=8)
+    assert got == expect(ts, more, **{"token_embd.weight": T.Q6_K})
+
+
+def test_q4_k_m_qwen3_moe_30b_a3b():
+    ts = layout(48, 2048, 768, 4096, 512, 151936, tied=False, experts=128, qk_norm=True)
+    more = lambda kind, i: T.Q6_K if kind in ("attn_v", "ffn_down_exps") and i in MORE[48] else T.Q4_K
+    got = q4_k_m_types(ts, arch="qwen3moe", n_layer=48, n_head=32, n_head_kv=4, n_expert=128)
+    assert got == expect(ts, more, **{"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K})
+
+
+def test_q4_k_m_smollm2_135m_falls_back_on_576_columns():
+    """C = 576 is not a multiple of 256: Q4_K -> Q5_0, Q6_K -> Q8_0; ffn_down's rows (1536) still
+    take the K-quants; the tied embedding takes Q8_0 (output's rule for such rows)."""
+    ts = layout(30, 576, 1536, 576, 192, 49152, tied=True)
+
+    def more(kind, i):
+        if kind == "ffn_down":
+            return T.Q6_K if i in MORE[30] else T.Q4_K
+        return T.Q8_0 if kind == "attn_v" and i in MORE[30] else T.Q5_0
+
+    got = q4_k_m_types(ts, arch="llama", n_layer=30, n_head=9, n_head_kv=3)
+    assert got == expect(ts, more, **{"token_embd.weight": T.Q8_0})
+
+
+def test_q4_k_m_gpt_oss_20b():
+    """2880 columns: Q4_K -> Q5_0, Q6_K -> Q8_0, except attn_output (4096 columns); biases and sinks F32."""
+    ts = layout(24, 2880, 2880, 4096, 512, 201088, tied=False, experts=32)
+    ts += [(f"blk.{i}.attn_sinks.weight", (64,)) for i in range(24)]
+    ts += [(f"blk.{i}.ffn_down_exps.bias", (32, 2880)) for i in range(24)]
+
+    def more(kind, i):
+        if kind in ("ffn_down_exps", "attn_v") and i in MORE[24]:
+            return T.Q8_0
+        return T.Q4_K if kind == "attn_output" else T.Q5_0
+
+    got = q4_k_m_types(ts, arch="gpt-oss", n_layer=24, n_head=64, n_head_kv=8, n_expert=32)
+    want = expect(ts, more, **{"token_embd.weight": T.Q5_0, "output.weight": T.Q8_0})
+    want.update({f"blk.{i}.ffn_down_exps.bias": T.F32 for i in range(24)})
+    assert got == want
+
+
+def test_q4_k_m_eight_experts_and_70b():
+    """n_expert == 8: attn_v and attn_k Q8_0, attn_output Q5_K. A GQA llama with 80 layers ("70B"):
+    attn_v Q5_K where not Q6_K; with n_head == n_head_kv (65B) it stays Q4_K."""
+    ts = layout(4, 256, 512, 256, 128, 1000, tied=False, experts=8)
+    fixed = {"attn_v": T.Q8_0, "attn_k": T.Q8_0, "attn_output": T.Q5_K}
+    more = lambda kind, i: fixed.get(kind, T.Q6_K if kind == "ffn_down_exps" and i in MORE[4] else T.Q4_K)
+    got = q4_k_m_types(ts, arch="qwen3moe", n_layer=4, n_head=2, n_head_kv=1, n_expert=8)
+    assert got == expect(ts, more, **{"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K})
+    ts = layout(80, 8192, 28672, 8192, 1024, 128256, tied=False)
+    big = q4_k_m_types(ts, arch="llama", n_layer=80, n_head=64, n_head_kv=8)
+    assert [big[f"blk.{i}.attn_v.weight"] for i in (9, 10, 12, 13)] == [T.Q6_K, T.Q5_K, T.Q6_K, T.Q5_K]
+    same = q4_k_m_types(ts, arch="llama", n_layer=80, n_head=64, n_head_kv=64)
+    assert same["blk.10.attn_v.weight"] == T.Q4_K and same["blk.12.attn_v.weight"] == T.Q6_K
+
+
+def test_q4_k_m_refuses_unknown_architecture():
+    with pytest.raises(ValueError, match="not one lean exports"):
+        q4_k_m_types([], arch="falcon", n_layer=1, n_head=1, n_head_kv=1)

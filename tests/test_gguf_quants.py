@@ -14,6 +14,9 @@ step and offset): a K-quant value is its grid's nearest level, |x - xhat| = min 
 {D*q - M} (Q4_K, Q5_K) or {D*q} (Q6_K) of |x - level|, up to float32 rounding of the level itself.
 Q8_0: q = round(x/d) with d = amax/127 in float32, stored as fp16: |x - d16*q| <= d/2 + 127*|d - d16|.
 """
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -26,10 +29,11 @@ K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def stress_rows(rng, rows, cols):
-    """float32 (rows, cols): per-256 magnitudes from 1e-6 to 1e3, and 32-value groups that are zero,
-    constant, negative-only, one outlier, one nonzero value or fp16-subnormal tiny."""
-    x = rng.standard_normal((rows * cols // 32, 32)).astype(f32)
-    x *= np.exp(rng.uniform(-14, 7, len(x) // 8 + 1)).repeat(8)[:len(x), None].astype(f32)
+    """float32 (rows, cols): per-256 magnitudes from 1e-6 to 55 (fp16 holds them), and 32-value groups
+    that are zero, zeros of both signs, constant, negative-only, one outlier, one nonzero value or
+    fp16-subnormal tiny."""
+    x = rng.standard_normal((-(-rows * cols // 32), 32)).astype(f32)
+    x *= np.exp(rng.uniform(-14, 4, len(x) // 8 + 1)).repeat(8)[:len(x), None].astype(f32)
     kind = rng.integers(0, 14, len(x))
     x[kind == 0] = 0
     x[kind == 1] = x[kind == 1, :1]
@@ -37,7 +41,8 @@ def stress_rows(rng, rows, cols):
     x[kind == 3, 7] *= 50
     x[kind == 4, 1:] = 0
     x[kind == 5] *= f32(1e-7)
-    x = x.reshape(rows, cols)
+    x[kind == 6] = np.copysign(f32(0), x[kind == 6])  # zeros of both signs
+    x = x.reshape(-1)[:rows * cols].reshape(rows, cols)
     x[0, :min(cols, 256)] = 0  # a whole zero super-block
     return x
 
@@ -246,6 +251,14 @@ def test_round_trip_equals_gguf_dequantize(qtype):
     assert np.array_equal(quantize(x.reshape(7, 1, cols), qtype).reshape(raw.shape), raw)  # (..., C)
 
 
+def test_threads_and_chunks_do_not_change_the_bytes(monkeypatch):
+    x = stress_rows(np.random.default_rng(9), 40, 512)
+    one = {t: quantize(x, t, threads=1) for t in (T.Q4_K, T.Q6_K, T.Q8_0)}
+    monkeypatch.setattr(Q, "CHUNK_BLOCKS", 3)  # 6 rows a chunk: 7 chunks, the last one short
+    for t, raw in one.items():
+        assert np.array_equal(quantize(x, t, threads=3), raw), t.name
+
+
 def _levels(raw, qtype):
     """(rows*n/256, 8 or 16) sub-block steps D and offsets M from the stored bytes."""
     b = raw.reshape(-1, Q.row_bytes(256, qtype))
@@ -437,3 +450,105 @@ def test_q4_k_m_eight_experts_and_70b():
 def test_q4_k_m_refuses_unknown_architecture():
     with pytest.raises(ValueError, match="not one lean exports"):
         q4_k_m_types([], arch="falcon", n_layer=1, n_head=1, n_head_kv=1)
+
+
+
+# ----------------------------------------------------------------------------- ggml itself (llama_cpp)
+
+def gguf_oracle():
+    """tools/gguf_oracle.py, or a skip naming why llama.cpp is not there."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"llama_cpp does not import ({e}); build llama-cpp-python from its sdist to run "
+                    f"ggml's own quantiser (see tools/gguf_oracle.py)")
+    spec = importlib.util.spec_from_file_location("gguf_oracle", Path(__file__).parents[1] / "tools" / "gguf_oracle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CHUNK_CASES = [(T.Q4_K, 1024), (T.Q4_K, 14336), (T.Q5_K, 4096), (T.Q6_K, 2048), (T.Q6_K, 14336),
+               (T.Q8_0, 576), (T.Q5_0, 576), (T.Q5_1, 4096), (T.F16, 576), (T.BF16, 2880)]
+
+
+@pytest.mark.parametrize("qtype,cols", CHUNK_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_bytes_equal_ggml_quantize_chunk(qtype, cols):
+    oracle = gguf_oracle()
+    rng = np.random.default_rng()
+    rows = max(2, (1 << 18) // cols)
+    for x in (stress_rows(rng, rows, cols), (rng.standard_normal((rows, cols)) * 0.02).astype(f32)):
+        ours, ggml = quantize(x, qtype), oracle.ggml_quantize(x, qtype, threads=2)
+        size = Q.row_bytes(Q.GGML_QUANT_SIZES[qtype][0], qtype)
+        differ = (ours.reshape(-1, size) != ggml.reshape(-1, size)).any(axis=1)
+        assert not differ.any(), f"{qtype.name}, rows of {cols}: {differ.sum()} of {differ.size} blocks differ"
+
+
+def test_wrong_ports_differ_from_ggml(monkeypatch):
+    """The test of the tests, against ggml itself: a port that sums in another order or precision
+    parts from ggml's bytes (measured in 4096 blocks of N(0, 0.02): 70-75 Q4_K, 16-17 Q5_K, 98-113
+    Q6_K blocks). Half-away rounding differs in 1-5 Q6_K blocks of 4096, too few to assert here."""
+    oracle = gguf_oracle()
+    x = (np.random.default_rng().standard_normal((256, 4096)) * 0.02).astype(f32)
+    ggml = {t: oracle.ggml_quantize(x, t, threads=2) for t in K_TYPES}
+    for name, attr, fn in WRONG_PORTS[:2]:
+        with monkeypatch.context() as m:
+            m.setattr(Q, attr, fn)
+            assert any(not np.array_equal(quantize(x, t), ggml[t]) for t in K_TYPES), name
+
+
+def write_f16_model(path, arch, ts, *, n_layer, n_head, n_head_kv, experts=0):
+    """A GGUF as convert_hf_to_gguf --outtype f16 writes one: >= 2-D tensors F16 (the router F32),
+    1-D F32; stress values; only the metadata llama.cpp reads to load the hyperparameters."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    shapes = dict(ts)
+    C = shapes["token_embd.weight"][1]
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(C)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(shapes["blk.0.ffn_up_exps.weight"][1])
+        w.add_feed_forward_length(shapes["blk.0.ffn_up_exps.weight"][1])
+    else:
+        w.add_feed_forward_length(shapes["blk.0.ffn_up.weight"][0])
+    rng = np.random.default_rng()
+    for name, shape in sorted(ts):
+        x = stress_rows(rng, int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
+        w.add_tensor(name, x if len(shape) == 1 or "ffn_gate_inp" in name else x.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+MODELS = {  # name: (arch, layout(...) arguments, n_head, n_head_kv, experts)
+    "llama-K-quants": ("llama", dict(n_layer=8, C=256, F=512, q_dim=256, kv_dim=128, vocab=320, tied=False), 4, 2, 0),
+    "llama-96-Q5_0-Q8_0": ("llama", dict(n_layer=8, C=96, F=256, q_dim=96, kv_dim=32, vocab=200, tied=True), 3, 1, 0),
+    "llama-80-F16": ("llama", dict(n_layer=3, C=80, F=256, q_dim=80, kv_dim=16, vocab=100, tied=True), 5, 1, 0),
+    "qwen3moe-8-experts": ("qwen3moe", dict(n_layer=4, C=256, F=256, q_dim=256, kv_dim=128, vocab=300,
+                                             tied=False, experts=8, qk_norm=True), 2, 1, 8),
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_q4_k_m_file_equals_llama_quantize(tmp_path, model):
+    """llama_model_quantize Q4_K_M of an F16 GGUF, against lean's Q4_K_M of the same tensors: every
+    tensor's type and bytes (tools/gguf_oracle.compare_gguf_files)."""
+    oracle = gguf_oracle()
+    arch, dims, n_head, n_head_kv, experts = MODELS[model]
+    src = tmp_path / "f16.gguf"
+    write_f16_model(src, arch, layout(**dims), n_layer=dims["n_layer"], n_head=n_head, n_head_kv=n_head_kv,
+                    experts=experts)
+    oracle.llama_quantize(src, tmp_path / "llama.gguf", threads=2)
+    oracle.lean_q4_k_m(src, tmp_path / "lean.gguf")
+    report = oracle.compare_gguf_files(tmp_path / "llama.gguf", tmp_path / "lean.gguf")
+    bad = [(r["name"], r["type_a"], r["type_b"], r["blocks_differing"]) for r in report if not r["same_bytes"]]
+    assert len(report) == len(layout(**dims)) and not bad, bad

@@ -4,24 +4,28 @@
     w2 = dequantize(raw, GGMLQuantizationType.Q4_K, w.shape)
     types = q4_k_m_types([(name, shape), ...], arch="llama", n_layer=16, n_head=32, n_head_kv=8)
 
-Types: F32, F16, BF16, Q8_0, Q5_0 (the fallback Q4_K_M picks when a row is not a multiple of 256),
-Q4_K and Q6_K. Output is uint8 of shape (..., bytes per row); gguf's GGUFWriter.add_tensor takes it
-with raw_dtype=qtype. F16 and BF16 round to nearest even (BF16 as ggml_compute_fp32_to_bf16: NaN
-forced quiet; gguf.quants.quantize does the same); Q8_0 and Q5_0 are gguf.quants.quantize (its
-numpy equals ggml's quantize_row_q8_0_ref / q5_0_ref); Q4_K and Q6_K are this module's numpy,
-which follows ggml's quantize_row_q4_K_ref / quantize_row_q6_K_ref (ggml/src/ggml-quants.c of the
-llama.cpp that llama-cpp-python 0.3.36 carries) with no importance matrix: what llama-quantize
-writes without --imatrix.
+Types: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K and the fallbacks Q4_K_M picks for rows that are not
+a multiple of 256 (Q5_0, Q5_1; F16 past those). Output is uint8 of shape (..., bytes per row);
+gguf's GGUFWriter.add_tensor takes it with raw_dtype=qtype. F16 and BF16 round to nearest even
+(BF16 as ggml_compute_fp32_to_bf16, NaN forced quiet); BF16 and Q8_0 are gguf.quants.quantize,
+whose numpy equals ggml's bytes. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are this module's numpy after
+ggml's quantize_row_*_ref (ggml/src/ggml-quants.c of the llama.cpp that llama-cpp-python 0.3.36
+carries) with no importance matrix: what llama-quantize writes without --imatrix. (gguf.quants
+quantizes Q5_0 / Q5_1 too, but takes a zero's sign from the block where ggml's loops keep their
++0.0 start: an all-zero block led by -0.0, which fp16 underflow makes, got another d.)
 
 Block layouts (one block = one fp16/int group; rows are whole blocks, laid end to end):
   Q8_0   32 values,  34 bytes: d fp16 | 32 x int8 q.                   x = d*q
   Q5_0   32 values,  22 bytes: d fp16 | qh u32 (bit j = 5th bit of q_j) | 16 bytes of nibbles
                                (q_j low, q_j+16 high).                 x = d*(q - 16)
+  Q5_1   32 values,  24 bytes: d fp16 | m fp16 | qh u32 | 16 bytes, as Q5_0.   x = d*q + m
   Q4_K  256 values, 144 bytes: d fp16 | dmin fp16 | 12 bytes: eight 6-bit scales sc_j and mins m_j
                                (bytes 0-3: sc_0..3 low 6 bits, sc_4..7 top 2; 4-7: m_0..3 likewise,
                                m_4..7 top 2; 8-11: sc_4..7 low 4 | m_4..7 low 4 << 4) | 128 bytes
                                of nibbles: byte 32*k + l = q[64k + l] | q[64k + 32 + l] << 4.
                                Sub-block j = values 32j..32j+31: x = d*sc_j*q - dmin*m_j, q in 0..15
+  Q5_K  256 values, 176 bytes: Q4_K's head (16 bytes) | qh 32 (bit 2k + h of qh[l]: the fifth bit
+                               of q[64k + 32h + l]) | 128 bytes of nibbles as Q4_K, q in 0..31
   Q6_K  256 values, 210 bytes: ql 128 | qh 64 | 16 x int8 scales | d fp16. For each half h (128
                                values), q in 0..63 of value 128h + 32k + l (k < 4, l < 32): low
                                nibble in ql[64h + 32(k & 1) + l] (high half of the byte for k >= 2),
@@ -47,13 +51,13 @@ Math (ggml's, replicated operation by operation in float32):
   Whole tensors run in chunks of CHUNK_BLOCKS super-blocks (vectorised across sub-blocks), so host
   memory is the input, the output and a few MB of temporaries.
 
-Errors (what the tests assert, per element, q the stored integers):
-  Q8_0: |x - d*q| <= |d|/2 * (1 + 2^-10) + ulp terms, d = fp16(amax/127) (the fp16 rounding of d
-  moves the grid by at most amax/127 * 2^-11 at the block's max value).
-  Q4_K / Q6_K: a value inside its sub-block's representable range lands on the nearest grid point,
-  |x - xhat| <= (d*sc)/2 (+ float rounding); a value outside it (the grid fitted by least squares can
-  leave the extremes out) is clamped to the end point, so the bound is |x - xhat| <= the distance to
-  the interval [xhat(q=0), xhat(q=max)] + (d*sc)/2.
+Errors (what the tests assert per value; q the stored integers):
+  K-quants: each value is its sub-block's nearest level, |x - xhat| = min over q of |x - (D*q - M)|
+  (Q4_K, Q5_K; D = d*sc, M = dmin*m from the stored bytes) or of |x - D*q| (Q6_K), up to float32
+  rounding of the level. The least-squares grid may leave a sub-block's extremes outside it; those
+  sit on the end level. A sub-block whose 6-bit scale rounds to 0 is all -M (Q4_K/Q5_K) or 0 (Q6_K).
+  Q8_0: q = round(x/d), d = amax/127 in float32, stored as fp16 d16: |x - d16*q| <= d/2 + 127|d - d16|.
+  On N(0, 1) rows of 4096 the RMS error is 0.071 (Q4_K), 0.036 (Q5_K), 0.018 (Q6_K), 0.0053 (Q8_0).
 
 Q4_K_M (q4_k_m_types): the per-tensor type llama-quantize's llama_tensor_get_type gives for
 ftype Q4_K_M without --imatrix, --pure or overrides (src/llama-quant.cpp of the llama.cpp in
@@ -65,16 +69,24 @@ output's type); ffn_down's layer is the block number, out of n_layer.
 Measured (one thread, CPU seconds, AMD EPYC with 2 cores shared at load ~8, numpy 2.3.5, N(0, 0.02)
   data): 4096 x 4096: Q4_K 5.7 M values/s, Q6_K 13.2, Q8_0 93; 14336 x 4096: Q4_K 7.2, Q6_K 10.6,
   Q8_0 87. CHUNK_BLOCKS = 1024 measured best of 64..4096 (Q4_K 9.7 M/s vs 5.5 at 256, 7.5 at 4096).
-Tested: tests/test_gguf_quants.py: Q4_K / Q5_K / Q6_K bytes equal a scalar transcription of ggml's C
-on the blocks where plausible wrong ports (float64 or pairwise sums, rounding half away) part from
-it; every type's bytes decode through gguf.quants.dequantize to lean's dequantize bit for bit;
-each K-quant value sits on its stored grid's nearest level; Q8_0 within half a step; RMS error on
-Gaussian data; the Q4_K_M rules on hand-written model layouts; refusals.
+Tested: tests/test_gguf_quants.py. Everywhere: Q4_K / Q5_K / Q6_K bytes equal a scalar transcription
+of ggml's C on the blocks where plausible wrong ports (float64 or pairwise sums, rounding half
+away) part from it, and on stress blocks; every type decodes through gguf.quants.dequantize to
+lean's dequantize bit for bit; each K-quant value sits on its stored grid's nearest level; Q8_0
+within half a step; RMS error on Gaussian data; the Q4_K_M rules on hand-written model layouts.
+Where llama_cpp imports: every type's bytes equal ggml_quantize_chunk's on rows of 576..14336, and
+lean's Q4_K_M of four small F16 GGUF files (K-quants; 96 and 80 columns: the Q5_0 / Q8_0 / F16
+fallbacks; an 8-expert qwen3moe) equals llama_model_quantize's tensor for tensor, types and bytes.
 Cautions:
   - Non-finite input is refused (ggml writes undefined bytes for it).
-  - The bytes equal ggml's as compiled without FMA contraction (x86-64; ggml-base carries no -march
-    flag). A build that contracts a*b+c into FMA (e.g. clang on aarch64) can differ in rare blocks.
+  - The bytes are ggml's as its x86-64 build computes them (ggml-base is compiled with no -march, so
+    no FMA contraction). A build that contracts a*b + c into an FMA (GCC's default where the target
+    has FMA, e.g. aarch64) rounds the sums differently and may write other bytes in some blocks;
+    not measured.
 """
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
@@ -338,9 +350,44 @@ def _q6_k_dequant(b):
     return ((d * sc)[:, :, None] * q).reshape(N, QK_K)
 
 
+# ----------------------------------------------------------------------------- Q5_0, Q5_1 (blocks of 32)
+
+def _first(x, idx):
+    return np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+
+
+def _q5_pack(q):
+    """(N, 32) levels 0..31 -> (N, 20): qh (u32, bit j = level j's fifth bit) | 16 bytes of nibbles."""
+    qh = np.packbits(q >> 4, axis=1, bitorder="little")
+    return np.concatenate([qh, (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)], axis=1)
+
+
+def _q5_0_blocks(x):
+    """(N, 32) float32 -> (N, 22) uint8, as quantize_row_q5_0_ref: d = (the first largest-|x| value,
+    +0.0 in an all-zero block) / -16, q = min(31, trunc(x/d + 16.5))."""
+    a = np.abs(x)
+    i = a.argmax(axis=1)
+    d = np.where(_first(a, i) > 0, _first(x, i), F32(0)) / F32(-16)
+    inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0))
+    q = np.minimum(np.trunc(x * inv[:, None] + F32(16.5)), F32(31)).astype(np.uint8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), _q5_pack(q)], axis=1)
+
+
+def _q5_1_blocks(x):
+    """(N, 32) float32 -> (N, 24) uint8, as quantize_row_q5_1_ref: min and max the first occurrences
+    (their zeros' signs kept), d = (max - min)/31, q = trunc((x - min)/d + 0.5)."""
+    mn, mx = _first(x, x.argmin(axis=1)), _first(x, x.argmax(axis=1))
+    d = (mx - mn) / F32(31)
+    inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0))
+    q = np.trunc((x - mn[:, None]) * inv[:, None] + F32(0.5)).astype(np.uint8)
+    head = np.stack([d, mn], axis=1).astype(np.float16).view(np.uint8)
+    return np.concatenate([head, _q5_pack(q)], axis=1)
+
+
 # ----------------------------------------------------------------------------- public
 
-_OWN = {T.Q4_K: _q4_k_blocks, T.Q5_K: _q5_k_blocks, T.Q6_K: _q6_k_blocks}  # float32 -> blocks
+_OWN = {T.Q4_K: _q4_k_blocks, T.Q5_K: _q5_k_blocks, T.Q6_K: _q6_k_blocks,  # float32 -> blocks
+        T.Q5_0: _q5_0_blocks, T.Q5_1: _q5_1_blocks}
 _OWN_DEQUANT = {T.Q4_K: _q4_k_dequant, T.Q6_K: _q6_k_dequant}  # others: gguf.quants.dequantize
 SUPPORTED = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
@@ -354,11 +401,12 @@ def row_bytes(cols, qtype):
     return cols // block * size
 
 
-def quantize(x, qtype):
+def quantize(x, qtype, threads=None):
     """(..., C) float32 or float16 -> (..., row_bytes(C, qtype)) uint8 in ggml's layout, C % block == 0.
 
-    Runs CHUNK_BLOCKS super-blocks (K-quants) or 4M values (the rest) at a time: peak host memory is
-    x, the result and a few MB.
+    Works CHUNK_BLOCKS super-blocks (K-quants) or 4M values (the rest) at a time, on `threads`
+    threads (default: the CPUs this process may use, at most 8; numpy releases the GIL inside each
+    operation). Host memory: x, the result and a few MB per thread. The bytes do not depend on it.
     """
     qtype = T(qtype)
     if qtype not in SUPPORTED:
@@ -371,21 +419,33 @@ def quantize(x, qtype):
     C = x.shape[-1]
     rows = x.reshape(-1, C)
     out = np.empty((rows.shape[0], row_bytes(C, qtype)), np.uint8)
-    step = max(1, (CHUNK_BLOCKS * QK_K if qtype in _OWN else 1 << 22) // C)
-    for r0 in range(0, rows.shape[0], step):
+    block = GGML_QUANT_SIZES[qtype][0]
+    step = max(1, (CHUNK_BLOCKS * QK_K if block == QK_K else 1 << 22) // C)
+
+    def encode(r0):
         chunk = rows[r0:r0 + step].astype(F32)
         if qtype not in (T.F32, T.F16, T.BF16) and not np.isfinite(chunk).all():
             raise ValueError(f"quantize: rows {r0}..{r0 + len(chunk) - 1} hold NaN or inf, which "
                              f"{qtype.name} cannot encode; fix the weights before export")
         if qtype in _OWN:
-            enc = _OWN[qtype](chunk.reshape(-1, QK_K))
+            enc = _OWN[qtype](chunk.reshape(-1, block))
         elif qtype == T.F32:
             enc = chunk.view(np.uint8)
         elif qtype == T.F16:
             enc = chunk.astype(np.float16).view(np.uint8)
-        else:  # BF16, Q8_0, Q5_0, Q5_1: gguf's numpy rounds as ggml does
+        else:  # BF16, Q8_0: gguf's numpy is ggml's rounding (zeros' signs included)
             enc = gq.quantize(chunk, qtype)
         out[r0:r0 + len(chunk)] = enc.reshape(len(chunk), -1)
+
+    starts = range(0, rows.shape[0], step)
+    threads = min(threads or min(8, len(os.sched_getaffinity(0))), len(starts))
+    if threads <= 1:
+        for r0 in starts:
+            encode(r0)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in pool.map(encode, starts):  # re-raises a chunk's error here
+                pass
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -27,6 +27,8 @@ import lean
 from lean.runtime.gguf import GGUFError, convert_gguf
 from lean.runtime.gguf_export import export_adapter, export_model
 from lean.runtime.gguf_names import PRE
+from lean.runtime.gguf_quants import q4_k_m_types
+from lean.runtime.gguf_quants import quantize as gq_quantize
 from lean.runtime.lora import PEFT_MODULE
 from lean.runtime.merge import merged_tensors
 from tests.hf_models import build_hf, tiny_config
@@ -144,7 +146,7 @@ def test_dense_round_trip(tmp_path, arch):
     want = hf_logits(model_dir, merged)
     assert (want - hf_logits(model_dir)).abs().max() > 1e-2  # the adapter matters
     files = {t: export_model(model_dir, tmp_path / f"m-{t}.gguf", t, adapter_dir, progress=False)
-             for t in ("F32", "BF16", "Q8_0")}
+             for t in ("F32", "BF16", "Q8_0", "Q4_K_M")}
     assert_logits(hf_logits(tmp_path, gguf_file="m-F32.gguf", config_dir=model_dir), want)
     f32, meta = read_gguf(files["F32"])
     assert meta["general.architecture"] == arch and meta["tokenizer.ggml.pre"] == PRE_OF[arch]
@@ -179,21 +181,29 @@ def test_dense_round_trip(tmp_path, arch):
                        for k, v in load_file(str(folder / "model.safetensors")).items()}
             assert_logits(got_logits, hf_logits(model_dir, rounded))
     assert 0 < errors["Q8_0"] <= 8 * errors["BF16"], errors
+    # Q4_K_M (types and bytes against llama-quantize's: tests/test_gguf_llama_cpp.py): every tensor is the
+    # F32 file's quantised by gguf_quants in the type q4_k_m_types gives it, and lean's reader reads it
+    q4, _ = read_gguf(files["Q4_K_M"])
+    types = q4_k_m_types([(n, x.shape) for n, (_, _, x) in f32.items()], arch=arch, n_layer=2,
+                         n_head=model.config.n_heads, n_head_kv=model.config.n_kv_heads)
+    for name, (ty, raw, _) in q4.items():
+        assert ty == types[name] and np.array_equal(raw.reshape(-1), gq_quantize(f32[name][2], ty).reshape(-1)), name
+    convert_gguf(files["Q4_K_M"], tmp_path / "back-Q4_K_M")
     from tokenizers import Tokenizer
     ours, theirs = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (tmp_path / "back-BF16", model_dir))
     for text in ("the theme 12345 <|im_start|>user\nhi<|im_end|>", "naïve 🙂 x\n\n3"):
         assert ours.encode(text).ids == theirs.encode(text).ids, text
 
 
-def _moe_hf(arch, mxfp4=False):
-    """A tiny Qwen3-MoE (every layer MoE, top-k renormalised: llama.cpp's form) or GPT-OSS with drawn
-    routers, sinks and biases (HF initialises them to 0 or 1); GPT-OSS's experts MXFP4-exact when mxfp4."""
+def _moe_hf(arch, mxfp4=False, k=2):
+    """A tiny Qwen3-MoE (4 experts, top-k renormalised, every layer MoE: llama.cpp's form) or GPT-OSS with
+    drawn routers, sinks and biases (HF initialises them to 0 or 1); k of the 4 experts per token."""
     from tests.test_gpt_oss import oss_config
     from tests.test_moe import moe_config
 
     seed = int(torch.randint(1 << 30, (1,), generator=fresh_generator("cpu")))
-    config = moe_config(4, 2, True, [], vocab_size=V) if arch == "qwen3_moe" else \
-        oss_config(4, 2, window=3, vocab_size=V, **({"intermediate_size": 32} if mxfp4 else {}))
+    config = moe_config(4, k, True, [], vocab_size=V) if arch == "qwen3_moe" else \
+        oss_config(4, k, window=3, vocab_size=V, **({"intermediate_size": 32} if mxfp4 else {}))
     hf = build_hf(arch, seed, config=config)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -403,7 +413,7 @@ def _no_files(folder, stem="m"):
 
 def test_refusals_name_the_fix_and_write_nothing(tmp_path):
     model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", targets="q")
-    with pytest.raises(GGUFError, match=r"--gguf Q5_K: not a type lean writes; use one of F32, F16, BF16, Q8_0"):
+    with pytest.raises(GGUFError, match=r"--gguf Q5_K: not a type lean writes; use one of F32, F16, BF16, Q8_0, Q4_K_M"):
         export_model(model_dir, tmp_path / "m.gguf", "Q5_K", adapter_dir, progress=False)
     with pytest.raises(GGUFError, match="not a type lean writes"):  # an adapter is never Q4_K_M and the like
         export_adapter(model_dir, adapter_dir, tmp_path / "m.gguf", "Q4_K_M", progress=False)

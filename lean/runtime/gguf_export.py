@@ -60,11 +60,13 @@ from gguf import MODEL_TENSOR as T
 from .gguf import GGUFError
 from .gguf_names import (HPARAMS, MOE_HPARAMS, ROPE_FREQS, ROPE_SCALING, ROPE_SCALING_TYPE, SLIDING_WINDOW,
                          WRITABLE, Part, gguf_arch, gguf_name, key, row_index, tensor_parts)
+from .gguf_quants import q4_k_m_types, quantize
 from .gguf_source import Shards, merged_rows
 
-# --gguf TYPE -> (general.file_type, the type of the quantised weights)
+# --gguf TYPE -> (general.file_type, the type of the quantised weights; Q4_K_M: per tensor, q4_k_m_types)
 TYPES = {"F32": (LlamaFileType.ALL_F32, Q.F32), "F16": (LlamaFileType.MOSTLY_F16, Q.F16),
-         "BF16": (LlamaFileType.MOSTLY_BF16, Q.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, Q.Q8_0)}
+         "BF16": (LlamaFileType.MOSTLY_BF16, Q.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, Q.Q8_0),
+         "Q4_K_M": (LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K)}
 ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")
 CHUNK_BYTES = 64 << 20  # fp32 rows per chunk: the streaming unit
 
@@ -142,9 +144,10 @@ def _oriented(shape, part, transposed):
     return tuple(shape[:-2]), shape[-2], (shape[-1],)
 
 
-def model_plan(cfg, qtype: Q, adapters: dict) -> list:
+def model_plan(cfg, type_name: str, adapters: dict) -> list:
     """[Out] of the merged model: every GGUF tensor, its type and where its rows come from."""
     check_exportable(cfg)
+    qtype = TYPES[type_name][1]
     heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}
     plan = []
     if cfg.arch == "llama" and cfg.rope_scaling.get("rope_type") == "llama3":
@@ -165,6 +168,10 @@ def model_plan(cfg, qtype: Q, adapters: dict) -> list:
             plan.append(Out(name, out_shape, tensor_type(name, part, out_shape, qtype), src, idx, transposed,
                             adapters.get(hf), experts=experts[0] if experts else 0, vector=not cols,
                             unit=cfg.head_dim if part.rope else 1))
+    if type_name == "Q4_K_M":  # llama-quantize's per-tensor rule, over the whole file at once
+        types = q4_k_m_types([(o.name, o.shape) for o in plan], arch=gguf_arch(cfg.arch), n_layer=cfg.n_layers,
+                             n_head=cfg.n_heads, n_head_kv=cfg.n_kv_heads, n_expert=cfg.n_experts)
+        plan = [o._replace(qtype=types[o.name]) for o in plan]
     return plan
 
 
@@ -205,10 +212,8 @@ def model_metadata(cfg, name: str, file_type) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 def quantize_rows(x: np.ndarray, qtype: Q) -> np.ndarray:
-    """(n, K) fp32 rows -> their bytes in `qtype` (uint8 (n, bytes per row))."""
-    from gguf.quants import quantize
-
-    return np.ascontiguousarray(quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)).view(np.uint8)
+    """(n, K) fp32 rows -> their bytes in `qtype` (uint8 (n, bytes per row)): gguf_quants.quantize."""
+    return quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
 
 
 def _chunks(o: Out, src, device):
@@ -314,13 +319,12 @@ def export_model(model_dir, out, gguf_type="Q8_0", adapter_dir=None, *, name=Non
     from .loader import read_config
 
     type_name = check_type(gguf_type)
-    file_type, qtype = TYPES[type_name]
     model_dir, out = Path(model_dir), Path(out)
     cfg = read_config(model_dir)
     adapters = load_adapter(model_dir, adapter_dir, device or "cpu")[0] if adapter_dir is not None else {}
-    plan = model_plan(cfg, qtype, adapters)
+    plan = model_plan(cfg, type_name, adapters)
     vocab = vocab_metadata(model_dir, cfg.vocab)
-    meta = {**model_metadata(cfg, name or model_dir.name, file_type), **vocab}
+    meta = {**model_metadata(cfg, name or model_dir.name, TYPES[type_name][0]), **vocab}
     src = Shards(model_dir)
     if any(n.endswith(".quant_state.bitsandbytes__nf4") for n in src.where):
         raise GGUFError(f"{model_dir} is a bitsandbytes 4-bit checkpoint: the GGUF export reads float checkpoints; "

@@ -13,8 +13,8 @@ names that .gguf as its FROM. Each GGUF gets a <stem>.Modelfile beside it (`olla
 The file is written atomically (lean/runtime/gguf_export.py): an export that fails leaves nothing
 under the final name. Errors exit with status 2 and one line (the cause and the fix); Ctrl-C with
 130, saying nothing was written.
-Tested: tests/test_gguf_export.py (the CLI on a finished tiny run, its errors: no adapter, an unknown
-type, an unknown model), tests/test_gguf_cli.py (lean-train --export-gguf).
+Tested: tests/test_gguf_export.py (lean-train --export-gguf on a 1-step run, then lean-export --adapter
+on it; the errors: an unknown type before training, no adapter, a model that is not there).
 """
 import argparse
 import json

@@ -353,7 +353,7 @@ def test_export_streams_by_chunks(tmp_path, monkeypatch):
     """No read is more than CHUNK_BYTES of fp32 rows (whole heads for Q/K) but an expert's transposed
     weight or a vector: the export never holds a tensor, let alone the model. A small CHUNK_BYTES here
     splits every matrix into several reads, and the file is the same."""
-    import lean.runtime.gguf_export as X
+    import lean.runtime.gguf_write as X
 
     model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama")
     whole = read_gguf(export_model(model_dir, tmp_path / "a.gguf", "Q8_0", adapter_dir, progress=False))[0]
@@ -448,7 +448,7 @@ def test_full_disk_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    import lean.runtime.gguf_export as X
+    import lean.runtime.gguf_write as X
 
     model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "qwen2", targets="q")
     (tmp_path / "m.gguf").write_bytes(b"an earlier export")
@@ -501,3 +501,40 @@ def test_lean_train_export_gguf_then_lean_export(tmp_path, capsys):
     assert "holds no adapter" in capsys.readouterr().err and not list((tmp_path / "empty").iterdir())
     assert export_main([str(run), "--gguf", "BF16", "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist: check the path" in capsys.readouterr().err
+
+
+def test_qlora_run_exports_onto_its_nf4_base(tmp_path):
+    """A --load-in-4bit run's adapter is folded into the NF4 base it trained on (each projection cast to
+    the run's dtype, quantised and dequantised by lean's NF4 kernels), as lean-train --merge does:
+    every tensor of the F32 export equals merge.py's on the NF4-loaded model."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=V, max_position_embeddings=256, tie_word_embeddings=False)
+    model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", config)
+    model = lean.load_model(model_dir, dtype=torch.float32, device="cpu", quant="nf4")
+    lora = lean.LoRA.load(model, adapter_dir)
+    want = merged_tensors(model, lora, torch.float32)
+    path = export_model(model_dir, tmp_path / "m.gguf", "F32", adapter_dir, progress=False, quant="nf4",
+                        quant_dtype="float32")
+    got = load_file(str(convert_gguf(path, tmp_path / "back") / "model.safetensors"))
+    assert set(got) == set(want)
+    plain = export_model(model_dir, tmp_path / "plain.gguf", "F32", adapter_dir, progress=False)
+    plain = load_file(str(convert_gguf(plain, tmp_path / "plain") / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert (got[name] - plain[name]).abs().max() > 1e-3  # onto the float base instead: NF4's rounding shows
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_merge_on_the_gpu_equals_the_host_merge(tmp_path):
+    """lean-train --export-gguf on a GPU folds each chunk's LoRA product in there (lean's matmul, IEEE fp32):
+    the F32 file equals the numpy merge's within fp32 rounding of the sums' order."""
+    model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "qwen3")
+    host, _ = read_gguf(export_model(model_dir, tmp_path / "host.gguf", "F32", adapter_dir, progress=False))
+    gpu, _ = read_gguf(export_model(model_dir, tmp_path / "gpu.gguf", "F32", adapter_dir, device="cuda",
+                                    progress=False))
+    for name, (_, _, x) in host.items():
+        np.testing.assert_allclose(gpu[name][2], x, rtol=0, atol=1e-6 * np.abs(x).max(), err_msg=name)

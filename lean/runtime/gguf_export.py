@@ -6,21 +6,24 @@ the merged model, or the adapter alone as a GGUF LoRA adapter (llama.cpp --lora,
 
 Shape legend: O / K a weight's output / input dims, E experts, R rank, D head dim.
 
-Streaming: the file's header (metadata and every tensor's name, shape, type and offset, through
-gguf-py's GGUFWriter) is written first, then each tensor in chunks of rows (CHUNK_BYTES of fp32 at
-most; whole heads for llama's permuted Q/K, one expert at a time for experts): read from the
-safetensors shards, LoRA folded in (gguf_source.merged_rows), quantised, written, dropped. Peak host
-memory is a few chunks plus the tokenizer's metadata, whatever the model's size. The file is written
-as <out>.tmp-<pid>, fsynced and renamed into place (and the folder fsynced): an export that fails
-(an error, Ctrl-C, a full disk) removes its temporary file and leaves nothing under the final name,
-nor changes a file already there. The free space is checked first.
+Streaming and atomic (gguf_write.py): the header first, then each tensor a chunk of rows at a time,
+read from the safetensors shards with the LoRA folded in (gguf_source.merged_rows), quantised and
+written; peak host memory is a few chunks, whatever the model's size; the file appears under its
+final name only once complete and fsynced; a failed export leaves nothing there.
 
 Tensor types (what llama.cpp's convert_hf_to_gguf.py writes for the same --outtype): 1-D tensors,
 *_norm.weight, biases and the MoE router (ffn_gate_inp) in F32; every other weight in the type asked
 for (F32, F16, BF16, Q8_0; Q8_0 falls back to F16 for a row length that is not a multiple of 32).
-Quantisers: gguf-py's (gguf.quants: F16, BF16, Q8_0, bit for bit with ggml's).
-Tensor order: token_embd, each layer in ascending order, output_norm, output (llama-quantize's
-per-layer rules count attn_v / ffn_down in file order).
+Q4_K_M: each tensor's type from gguf_quants.q4_k_m_types, llama-quantize's rule for the whole file
+(Q4_K, Q6_K for attn_v / ffn_down of its "more bits" layers and for output, the Q5_0 / Q8_0 / F16
+fallbacks for rows that are no multiple of 256; written down there from llama-quant.cpp): the types
+and bytes llama-quantize gives lean's F32 export. Bytes: gguf_quants.quantize (ggml's, bit for bit).
+Tensor order: token_embd, each layer in ascending order, output_norm, output (llama.cpp's loader
+sorts by block number itself, and q4_k_m_types counts attn_v in that order).
+
+Merging: numpy fp32 on the host (device None), or lean's matmul kernel on a torch device (fp32,
+IEEE products; lean-train --export-gguf on a GPU folds each chunk in there). A QLoRA run (quant
+"nf4") folds its adapter into the NF4 base it trained on (gguf_source.Nf4Base), as --merge does.
 
 Metadata (gguf_names' tables): general.{architecture, type, name, file_type, quantization_version},
 {arch}.* hparams (context length, sizes, head counts and head_dim, norm eps, rope theta, vocab size;
@@ -41,54 +44,33 @@ every layer MoE and top-k renormalised (llama.cpp's qwen3moe has no dense layers
 alternating sliding layers and GLU constants (llama.cpp's are fixed). Errors are GGUFError naming
 the cause and the fix: an unknown type, an architecture or layout llama.cpp cannot run, a missing
 tokenizer, no adapter, too little free space.
-Tested: tests/test_gguf_export.py (round trips through lean's own reader against the source model's
-logits per architecture and type; adapter files; every refusal, a full disk; streaming memory),
-tests/test_gguf_llama_cpp.py (llama.cpp loads the files, greedy tokens equal lean's; where
-llama_cpp imports).
+Tested: tests/test_gguf_export.py (F32 files read by transformers' GGUF loader to the merged model's
+logits, Llama / Qwen2 / Qwen3 / Qwen3-MoE; GPT-OSS tensor by tensor against merge.py; BF16, Q8_0 and
+Q4_K_M bytes and bounds, and lean's reader to the source's logits; the adapter file applied by hand
+gives the merged file; a QLoRA run; every refusal, a full disk; chunked reads), and where llama_cpp
+imports tests/test_gguf_llama_cpp.py (llama-quantize's Q4_K_M equal to lean's, llama.cpp's logits and
+greedy tokens equal to lean's on every architecture, the adapter through --lora).
 """
 import math
-import os
-import shutil
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGUFType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGUFType, GGUFValueType, Keys, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 from gguf import MODEL_TENSOR as T
 
 from .gguf import GGUFError
 from .gguf_names import (HPARAMS, MOE_HPARAMS, ROPE_FREQS, ROPE_SCALING, ROPE_SCALING_TYPE, SLIDING_WINDOW,
                          WRITABLE, Part, gguf_arch, gguf_name, key, row_index, tensor_parts)
-from .gguf_quants import q4_k_m_types, quantize
-from .gguf_source import Shards, merged_rows
+from .gguf_quants import q4_k_m_types
+from .gguf_source import Shards
+from .gguf_write import Out, write_gguf
 
 # --gguf TYPE -> (general.file_type, the type of the quantised weights; Q4_K_M: per tensor, q4_k_m_types)
 TYPES = {"F32": (LlamaFileType.ALL_F32, Q.F32), "F16": (LlamaFileType.MOSTLY_F16, Q.F16),
          "BF16": (LlamaFileType.MOSTLY_BF16, Q.BF16), "Q8_0": (LlamaFileType.MOSTLY_Q8_0, Q.Q8_0),
          "Q4_K_M": (LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K)}
 ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")
-CHUNK_BYTES = 64 << 20  # fp32 rows per chunk: the streaming unit
-
-
-class Out(NamedTuple):
-    """One GGUF tensor of the plan."""
-    name: str             # GGUF name
-    shape: tuple          # numpy order: (O, K), (E, O, K), (O,), (E, O)
-    qtype: Q
-    hf: str = ""          # the HF tensor it comes from
-    idx: np.ndarray = None  # HF row (out, in orientation) of each GGUF row
-    transposed: bool = False
-    lora: tuple = None    # (a, b, scale) folded in
-    data: np.ndarray = None  # a tensor computed whole (rope_freqs, an adapter's A and B)
-    experts: int = 0      # E: the tensor is read one expert at a time
-    vector: bool = False  # rows are single values (a norm, a bias): read whole, per expert
-    unit: int = 1         # a chunk holds whole multiples of this many rows (a head: Q/K's permutation)
-
-    @property
-    def nbytes(self):
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return int(np.prod(self.shape[:-1], dtype=np.int64)) * self.shape[-1] // block * size
 
 
 def check_type(gguf_type: str, allowed=TYPES) -> str:
@@ -207,102 +189,6 @@ def model_metadata(cfg, name: str, file_type) -> dict:
                 v = cfg.rope_scaling[field]
                 meta[key(k, arch)] = ((int(v), U32, None) if field.startswith("original") else (float(v), F32, None))
     return meta
-
-
-# ----------------------------------------------------------------------------- writing
-
-def quantize_rows(x: np.ndarray, qtype: Q) -> np.ndarray:
-    """(n, K) fp32 rows -> their bytes in `qtype` (uint8 (n, bytes per row)): gguf_quants.quantize."""
-    return quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
-
-
-def _chunks(o: Out, src, device):
-    """The bytes of tensor `o`, a chunk of rows at a time (whole heads, one expert at a time)."""
-    if o.data is not None:
-        yield quantize_rows(o.data.reshape(-1, o.shape[-1]), o.qtype)
-        return
-    rows = len(o.idx)
-    if o.vector or o.transposed:  # a vector, or an expert read whole to be transposed: one chunk
-        step = rows
-    else:
-        step = max(o.unit, CHUNK_BYTES // (4 * o.shape[-1]) // o.unit * o.unit)
-    for e in range(o.experts) if o.experts else [None]:
-        for a in range(0, rows, step):
-            w = merged_rows(src, o.lora, o.hf, e, o.idx[a:a + step], o.transposed, rows, device)
-            yield quantize_rows(w.reshape(1, -1) if o.vector else w, o.qtype)
-
-
-def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, progress=True) -> Path:
-    """Write `plan` as a GGUF at `path`, atomically (the module docstring); returns the path."""
-    path = Path(path)
-    total = sum(o.nbytes for o in plan)
-    _check_space(path, total)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    w = GGUFWriter(tmp, gguf_arch(arch))
-    for k, (value, vtype, sub) in meta.items():
-        w.add_key_value(k, value, vtype, sub)
-    for o in plan:
-        w.add_tensor_info(o.name, o.shape, np.float32, o.nbytes, raw_dtype=o.qtype)
-    bar = _bar(total, path.name) if progress else None
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        f = w.fout[0]
-        for o in plan:
-            w.write_padding(f, f.tell())
-            written = 0
-            for chunk in _chunks(o, src, device):
-                f.write(chunk.tobytes())
-                written += chunk.nbytes
-                if bar is not None:
-                    bar.update(chunk.nbytes)
-            if written != o.nbytes:
-                raise GGUFError(f"{o.name}: wrote {written} bytes, the header says {o.nbytes}: nothing was kept")
-            w.write_padding(f, o.nbytes)
-        f.flush()
-        os.fsync(f.fileno())
-        w.close()
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as e:
-        raise GGUFError(f"writing {path}: {e.strerror or e} ({total / 2**30:.2f} GiB to write): free space or pass "
-                        "another --out; nothing was written under the final name") from e
-    finally:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        if bar is not None:
-            bar.close()
-    return path
-
-
-def _check_space(path: Path, total: int):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(path.parent).free
-    if free < total + (64 << 20):
-        raise GGUFError(f"{path.parent} has {free / 2**30:.2f} GiB free, the file needs {total / 2**30:.2f} GiB: "
-                        "free space or pass an --out on another disk")
-
-
-def _fsync_dir(folder: Path):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _bar(total, name):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"lean-export {name}", dynamic_ncols=True)
 
 
 # ----------------------------------------------------------------------------- the two exports

@@ -212,7 +212,7 @@ def export_model(model_dir, out, gguf_type="Q8_0", adapter_dir=None, *, name=Non
     vocab = vocab_metadata(model_dir, cfg.vocab)
     meta = {**model_metadata(cfg, name or model_dir.name, TYPES[type_name][0]), **vocab}
     src = Shards(model_dir)
-    if any(n.endswith(".quant_state.bitsandbytes__nf4") for n in src.where):
+    if any(n.endswith(".quant_state.bitsandbytes__nf4") for n in src.names):
         raise GGUFError(f"{model_dir} is a bitsandbytes 4-bit checkpoint: the GGUF export reads float checkpoints; "
                         "pass --model the float release it was quantised from")
     if quant == "nf4":

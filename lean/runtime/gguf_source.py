@@ -8,8 +8,8 @@ Shape legend: O / K a weight's output / input dims (HF's (out, in) orientation),
     w = merged_rows(src, lora, name, e, idx)            # (len(idx), K) float32
 
 merged_rows(src, lora, name, e, idx) = (W[e] (out, in))[idx] + scale * B[e][idx] @ A[e]:
-  - W's rows read through safetensors' slices (only the rows asked for, from one contiguous span),
-    in the stored dtype, widened to fp32 on the host;
+  - W's rows read with pread from the shard (Shards: the byte span of the rows asked for, one
+    contiguous span, nothing mapped), in the stored dtype (F32, F16, BF16), widened to fp32;
   - GPT-OSS's bf16 experts, stored (E, in, out), are read one expert at a time and transposed;
     its MXFP4 experts (*_blocks, *_scales; Wd (E, out, in), 32-value blocks along in) are decoded
     exactly (mxfp4_rows: e2m1 value * 2^(s-127), exact in fp32, as kernels/mxfp4.py);
@@ -23,6 +23,7 @@ Tested: tests/test_gguf_export.py (merged rows against W + scale B A in torch on
 the matmul path against numpy, MXFP4 against kernels/mxfp4.py's reference).
 """
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,41 +35,65 @@ from .gguf import GGUFError
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8, "I8": np.int8}
+
+
 class Shards:
-    """The tensors of a model folder's safetensors shards, by name; each read opens its shard
-    (safe_open maps the file; the rows asked for are copied out)."""
+    """The tensors of a model folder's safetensors shards, by name, read with pread from their byte
+    offsets (safetensors: an 8-byte header length, a JSON header of dtype, shape and data_offsets,
+    then the data): only the rows asked for are read, into fresh arrays, and nothing stays mapped or
+    cached (a mapped file's touched pages would count in the process's memory until it closes)."""
 
     def __init__(self, model_dir):
-        from safetensors import safe_open
-
         from .loader import shard_files
 
         self.dir = Path(model_dir)
-        self.where, self.shapes = {}, {}
+        self.meta = {}  # name -> (file, numpy dtype, shape, byte offset of the data, safetensors dtype)
         for f in shard_files(self.dir):
-            with safe_open(str(f), framework="pt") as h:
-                for name in h.keys():
-                    self.where[name] = f
-                    self.shapes[name] = tuple(h.get_slice(name).get_shape())
-        self._open = {}
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError as e:
+                    raise GGUFError(f"{f} is not a safetensors file ({e}): download the model again") from e
+            for name, info in header.items():
+                if name != "__metadata__":
+                    if info["dtype"] not in _DTYPES:
+                        raise GGUFError(f"{f}: tensor {name} is {info['dtype']}; the GGUF export reads "
+                                        f"{', '.join(_DTYPES)}: convert the checkpoint to bf16 first")
+                    self.meta[name] = (f, _DTYPES[info["dtype"]], tuple(info["shape"]),
+                                       8 + n + info["data_offsets"][0], info["dtype"])
         self.nf4 = None  # a QLoRA run's base: Nf4Base, which base_rows reads the projections through
 
     def __contains__(self, name):
-        return name in self.where
+        return name in self.meta
 
-    def slice(self, name):
-        from safetensors import safe_open
+    @property
+    def names(self):
+        return self.meta.keys()
 
-        f = self.where[name]
-        if f not in self._open:
-            self._open[f] = safe_open(str(f), framework="pt")
-        return self._open[f].get_slice(name)
+    def shape(self, name):
+        return self.meta[name][2]
+
+    def raw(self, name, lo, hi, e=None) -> np.ndarray:
+        """Rows lo..hi along dim 0 (or dim 1 of expert e) of `name`, in the stored dtype."""
+        f, dtype, shape, offset, _ = self.meta[name]
+        inner = shape[2:] if e is not None else shape[1:]
+        row = int(np.prod(inner, dtype=np.int64)) * np.dtype(dtype).itemsize
+        start = offset + ((e * shape[1] if e is not None else 0) + lo) * row
+        size = (hi - lo) * row
+        with open(f, "rb") as fh:
+            data = os.pread(fh.fileno(), size, start)
+        if len(data) != size:
+            raise GGUFError(f"{f} is truncated (tensor {name}): download the model again")
+        return np.frombuffer(data, dtype=dtype).reshape(hi - lo, *inner)
 
     def rows(self, name, lo, hi, e=None) -> np.ndarray:
         """Rows lo..hi of tensor `name` (of expert e), fp32."""
-        s = self.slice(name)
-        t = s[lo:hi] if e is None else s[e, lo:hi]
-        return t.to(torch.float32).numpy()
+        x = self.raw(name, lo, hi, e)
+        if self.meta[name][4] == "BF16":  # the high half of an fp32
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32)
 
 
 def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -84,13 +109,11 @@ def base_rows(src: Shards, name: str, e, idx: np.ndarray, transposed: bool, fe: 
         return src.nf4.weight(src, name)[idx]
     if name in src:
         if transposed:  # (E, in, out): the expert whole, transposed
-            w = src.slice(name)[e].to(torch.float32).numpy().T
+            w = src.rows(name, 0, src.shape(name)[1], e).T
             return np.ascontiguousarray(w[idx])
         return src.rows(name, lo, hi, e)[idx - lo]
     if name + "_blocks" in src:  # MXFP4: Wd (E, out, in)
-        blocks = src.slice(name + "_blocks")[e, lo:hi].numpy()
-        scales = src.slice(name + "_scales")[e, lo:hi].numpy()
-        return mxfp4_rows(blocks, scales)[idx - lo]
+        return mxfp4_rows(src.raw(name + "_blocks", lo, hi, e), src.raw(name + "_scales", lo, hi, e))[idx - lo]
     pre, _, kind = name.rpartition(".")  # the hub's per-expert Qwen3-MoE tensors
     if kind == "gate_up_proj":
         part, lo, hi = ("gate_proj", lo, hi) if hi <= fe else ("up_proj", lo - fe, hi - fe)
@@ -120,7 +143,8 @@ class Nf4Base:
 
         if name != self.name:
             self.name, self.w = None, None  # the last one goes before the next is made
-            t = src.slice(name)[:].to(device=self.device, dtype=self.dtype)  # (O, K) in the run's dtype
+            w = src.rows(name, 0, src.shape(name)[0])  # (O, K) fp32, then in the run's dtype
+            t = torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
             q = empty_nf4(*t.shape, self.device, self.block)
             nf4_quantize(q, t)
             self.name, self.w = name, q.dense().cpu().numpy()  # sync: the dequantised base goes to the host

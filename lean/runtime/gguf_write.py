@@ -63,11 +63,8 @@ def quantize_rows(x: np.ndarray, qtype: Q) -> np.ndarray:
     return quantize(np.ascontiguousarray(x, dtype=np.float32), qtype)
 
 
-def _chunks(o: Out, src, device):
-    """The bytes of tensor `o`, a chunk of rows at a time (whole heads, one expert at a time)."""
-    if o.data is not None:
-        yield quantize_rows(o.data.reshape(-1, o.shape[-1]), o.qtype)
-        return
+def _jobs(o: Out):
+    """(expert or None, row slice) of tensor `o`'s chunks, in file order (whole heads, one expert at a time)."""
     rows = len(o.idx)
     if o.vector or o.transposed:  # a vector, or an expert read whole to be transposed: one chunk
         step = rows
@@ -75,8 +72,33 @@ def _chunks(o: Out, src, device):
         step = max(o.unit, CHUNK_BYTES // (4 * o.shape[-1]) // o.unit * o.unit)
     for e in range(o.experts) if o.experts else [None]:
         for a in range(0, rows, step):
-            w = merged_rows(src, o.lora, o.hf, e, o.idx[a:a + step], o.transposed, rows, device)
-            yield quantize_rows(w.reshape(1, -1) if o.vector else w, o.qtype)
+            yield e, slice(a, a + step)
+
+
+def _rows(o: Out, e, rows, src, device) -> np.ndarray:
+    """A chunk's fp32 rows, ready for the quantiser: (n, K), or (1, n) for a vector."""
+    if o.data is not None:
+        return o.data.reshape(-1, o.shape[-1])
+    w = merged_rows(src, o.lora, o.hf, e, o.idx[rows], o.transposed, len(o.idx), device)
+    return w.reshape(1, -1) if o.vector else w
+
+
+def _chunks(plan: list, src, device):
+    """(tensor, fp32 rows) of every chunk of the plan in order; the next chunk is read and merged on a
+    second thread while this one is quantised and written (numpy and pread release the GIL): one
+    chunk more in memory, the reading and the quantising overlapped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = ((o, e, rows) for o in plan for e, rows in ([(None, None)] if o.data is not None else _jobs(o)))
+    with ThreadPoolExecutor(1) as pool:
+        ahead = None
+        for o, e, rows in jobs:
+            job = pool.submit(_rows, o, e, rows, src, device)
+            if ahead is not None:
+                yield ahead[0], ahead[1].result()
+            ahead = (o, job)
+        if ahead is not None:
+            yield ahead[0], ahead[1].result()
 
 
 def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, progress=True) -> Path:
@@ -96,17 +118,18 @@ def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, p
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         f = w.fout[0]
-        for o in plan:
-            w.write_padding(f, f.tell())
-            written = 0
-            for chunk in _chunks(o, src, device):
-                f.write(chunk.tobytes())
-                written += chunk.nbytes
-                if bar is not None:
-                    bar.update(chunk.nbytes)
-            if written != o.nbytes:
-                raise GGUFError(f"{o.name}: wrote {written} bytes, the header says {o.nbytes}: nothing was kept")
-            w.write_padding(f, o.nbytes)
+        current, written = None, 0
+        for o, rows in _chunks(plan, src, device):
+            if o is not current:
+                _finish(w, f, current, written)
+                current, written = o, 0
+                w.write_padding(f, f.tell())
+            chunk = quantize_rows(rows, o.qtype)
+            f.write(np.ascontiguousarray(chunk).data)
+            written += chunk.nbytes
+            if bar is not None:
+                bar.update(chunk.nbytes)
+        _finish(w, f, current, written)
         f.flush()
         os.fsync(f.fileno())
         w.close()
@@ -123,7 +146,18 @@ def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, p
     return path
 
 
+def _finish(w, f, o, written):
+    """After tensor o's last chunk: its bytes must be what the header announced; pad to the alignment."""
+    if o is None:
+        return
+    if written != o.nbytes:
+        raise GGUFError(f"{o.name}: wrote {written} bytes, the header says {o.nbytes}: nothing was kept")
+    w.write_padding(f, o.nbytes)
+
+
 def _check_space(path: Path, total: int):
+    if path.is_dir():
+        raise GGUFError(f"--out {path} is a folder: pass the path of the .gguf file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(path.parent).free
     if free < total + (64 << 20):

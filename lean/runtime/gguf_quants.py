@@ -66,9 +66,17 @@ llama-cpp-python 0.3.36). It takes every tensor at once because llama.cpp's rule
 then by name), out of their total; output.weight's absence makes token_embd "tied" (it then gets
 output's type); ffn_down's layer is the block number, out of n_layer.
 
-Measured (one thread, CPU seconds, AMD EPYC with 2 cores shared at load ~8, numpy 2.3.5, N(0, 0.02)
-  data): 4096 x 4096: Q4_K 5.7 M values/s, Q6_K 13.2, Q8_0 93; 14336 x 4096: Q4_K 7.2, Q6_K 10.6,
-  Q8_0 87. CHUNK_BLOCKS = 1024 measured best of 64..4096 (Q4_K 9.7 M/s vs 5.5 at 256, 7.5 at 4096).
+Measured (tools/gguf_quant_bench.py at 5221355+: AMD EPYC, 2 cores shared with other jobs at load
+  6-9, numpy 2.3.5; one thread, CPU seconds, N(0, 0.02) float32 rows; ggml = ggml_quantize_chunk of
+  llama-cpp-python 0.3.36 on the same rows, bytes equal in every case):
+    14336 x 4096: Q4_K 8.1 M values/s (ggml 9.5, 1.17x faster), Q6_K 13.5 (23.4), Q8_0 76 (143)
+    4096 x 4096:  Q4_K 6.0 (9.6), Q6_K 13.0 (24.3), Q8_0 99 (168)
+  Llama-3.1-8B's Q4_K_M is 6.50 G values of Q4_K and 1.53 G of Q6_K: 917 CPU s here against ggml's
+  752 (its quantisation alone; llama.cpp's convert_hf_to_gguf pass comes on top). Two threads took
+  the same CPU seconds (7.23 vs 7.27 s at 14336 x 4096): on two idle cores that would be about
+  7.6 min; the wall-clock speed-up itself was not measurable on the loaded machine.
+  Extra host memory per call: about 10 MiB per thread (K-quants), 30 MiB (Q8_0), by tracemalloc.
+  CHUNK_BLOCKS = 1024 measured best of 64..4096 (Q4_K 9.7 M/s vs 5.5 at 256, 7.5 at 4096).
 Tested: tests/test_gguf_quants.py. Everywhere: Q4_K / Q5_K / Q6_K bytes equal a scalar transcription
 of ggml's C on the blocks where plausible wrong ports (float64 or pairwise sums, rounding half
 away) part from it, and on stress blocks; every type decodes through gguf.quants.dequantize to

@@ -289,13 +289,13 @@ def test_k_quant_values_sit_on_their_nearest_level(qtype):
     assert (err <= nearest + slack).all(), f"{qtype.name}: a value is not on its grid's nearest level"
 
 
-@pytest.mark.parametrize("qtype,bound", [(T.Q4_K, 0.085), (T.Q5_K, 0.042), (T.Q6_K, 0.021)],
+@pytest.mark.parametrize("qtype,bound", [(T.Q4_K, 0.088), (T.Q5_K, 0.043), (T.Q6_K, 0.021)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_k_quant_fit_on_gaussian_weights(qtype, bound):
-    """RMS error of N(0, 1) data, over sigma: a uniform grid of step s errs s/sqrt(12) in RMS; the
-    fitted steps are about range/(levels - 1), range ~ 4.1 sigma for 32 normal draws (Q4_K: 15
-    steps -> 0.079, Q5_K: 31 -> 0.038) and ~2 * max|x| / 64 for Q6_K's 16 (about 1.77 sigma ->
-    0.016); bounds are those plus 10 %, rounded up to two digits."""
+    """RMS error of N(0, 1) data: a uniform grid of step s errs s/sqrt(12) in RMS. The fitted steps
+    are about range/(levels - 1), E[range of 32 normals] = 4.140 (Q4_K: /15 -> 0.0797, Q5_K: /31
+    -> 0.0385), and about 2*max|x|/64 for Q6_K's 16 values, E[max|x|] = 2.077 (-> 0.0187); the
+    bounds are those plus 10 %, rounded up (measured: 0.0715, 0.0362, 0.0177)."""
     x = np.random.default_rng(3).standard_normal((64, 4096)).astype(f32)
     err = dequantize(quantize(x, qtype), qtype, x.shape) - x
     assert np.sqrt(np.mean(err.astype(np.float64) ** 2)) <= bound

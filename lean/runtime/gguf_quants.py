@@ -66,7 +66,7 @@ llama-cpp-python 0.3.36). It takes every tensor at once because llama.cpp's rule
 then by name), out of their total; output.weight's absence makes token_embd "tied" (it then gets
 output's type); ffn_down's layer is the block number, out of n_layer.
 
-Measured (tools/gguf_quant_bench.py at 5221355+: AMD EPYC, 2 cores shared with other jobs at load
+Measured (tools/gguf_quant_bench.py at edfbbba: AMD EPYC, 2 cores shared with other jobs at load
   6-9, numpy 2.3.5; one thread, CPU seconds, N(0, 0.02) float32 rows; ggml = ggml_quantize_chunk of
   llama-cpp-python 0.3.36 on the same rows, bytes equal in every case):
     14336 x 4096: Q4_K 8.1 M values/s (ggml 9.5, 1.17x faster), Q6_K 13.5 (23.4), Q8_0 76 (143)
@@ -169,7 +169,7 @@ def _make_qkx2_quants(x, nmax):
     x_min, mx = x.min(axis=0), x.max(axis=0)
     mn = np.minimum(x_min, F32(0))
     sum_w, sum_x = _sum(w), _sum(np.multiply(w, x, out=t))
-    flat = mx == mn
+    flat = mx == mn  # every x equals mn: ggml returns at once; here each trial's L is 0, D = 0, no update
     one = F32(1)
     iscale = F32(nmax) / np.where(flat, one, mx - mn)
     scale = one / iscale
@@ -409,6 +409,10 @@ def row_bytes(cols, qtype):
     return cols // block * size
 
 
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def quantize(x, qtype, threads=None):
     """(..., C) float32 or float16 -> (..., row_bytes(C, qtype)) uint8 in ggml's layout, C % block == 0.
 
@@ -446,7 +450,7 @@ def quantize(x, qtype, threads=None):
         out[r0:r0 + len(chunk)] = enc.reshape(len(chunk), -1)
 
     starts = range(0, rows.shape[0], step)
-    threads = min(threads or min(8, len(os.sched_getaffinity(0))), len(starts))
+    threads = min(threads or min(8, _cpus()), len(starts))
     if threads <= 1:
         for r0 in starts:
             encode(r0)

@@ -84,7 +84,8 @@ lean's dequantize bit for bit; each K-quant value sits on its stored grid's near
 within half a step; RMS error on Gaussian data; the Q4_K_M rules on hand-written model layouts.
 Where llama_cpp imports: every type's bytes equal ggml_quantize_chunk's on rows of 576..14336, and
 lean's Q4_K_M of four small F16 GGUF files (K-quants; 96 and 80 columns: the Q5_0 / Q8_0 / F16
-fallbacks; an 8-expert qwen3moe) equals llama_model_quantize's tensor for tensor, types and bytes.
+fallbacks; an 8-expert qwen3moe) and of the real SmolLM2-135M (272 tensors) equals
+llama_model_quantize's tensor for tensor, types and bytes.
 Cautions:
   - Non-finite input is refused (ggml writes undefined bytes for it).
   - The bytes are ggml's as its x86-64 build computes them (ggml-base is compiled with no -march, so

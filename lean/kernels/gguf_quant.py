@@ -8,6 +8,10 @@ C/256*210 for Q6_K). A sub-block is 32 values (Q8_0's block, Q4_K's scale group)
     x    (R, C)  fp32, fp16 or bf16, contiguous; widened exactly to fp32 in the kernel
     dst  (R, B)  uint8, contiguous, on x's device: ggml's blocks laid end to end, as GGUF stores them
 
+    dst = torch.empty(R, row_bytes(C, qtype), dtype=torch.uint8, device=w.device)
+    quantize_rows(dst, w, qtype)        # qtype a gguf GGMLQuantizationType (or its int): Q8_0, Q4_K, Q6_K
+    raw = dst.cpu().numpy()             # what GGUFWriter.add_tensor(..., raw_dtype=qtype) takes
+
 Math: each formula is the numpy port's, operation by operation, in float32:
   - every sum over a sub-block runs left to right (as ggml's C loop): the sub-blocks of a program lie
     along the vector axis, the 32 (16) positions of each are held as a tuple of vectors and walked
@@ -308,7 +312,7 @@ def _make_qx_quants(xs):
     scale = tl.where(suml2 != 0, tl.math.div_rn(sumlx, tl.where(suml2 != 0, suml2, 1.0)), 0.0)
     best = scale * sumlx
     for t in range(18):                             # is = -9..-1, 1..9: iscale = -(nmax + 0.1*is) / max
-        s = t - 9 + (t >= 9)
+        s = t - 9 + (t + 9) // 18                   # integer ops only (no bool to int)
         step = -(tl.full(vmax.shape, 32.0, tl.float32) + tl.full(vmax.shape, 0.1, tl.float32) * s)
         iscale = tl.math.div_rn(step, vmax)
         sumlx, suml2 = _qx_sums(xs, iscale)

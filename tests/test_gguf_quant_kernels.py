@@ -39,7 +39,7 @@ def edge_rows(rng, C):
     g = rng.standard_normal((4, C)).astype(f32)
     x[0] = g[0] * f32(1e-16)                                   # whole Q6_K block below 1e-15
     x[1] = g[1] * f32(3e-9)                                    # Q4_K / Q6_K d flushed to 0 in fp16
-    x[2] = g[2] * f32(2e-5)                                    # d in fp16's subnormals
+    x[2] = g[2] * f32(1e-3)                                    # d in fp16's subnormals (6e-8 .. 6e-5)
     x[3] = (rng.integers(-254, 255, C) / 2).astype(f32)        # halves: roundf vs nearest even
     x[3, ::32] = 127                                           # amax 127: Q8_0's d = 1 exactly
     if C >= 512:
@@ -51,6 +51,17 @@ def edge_rows(rng, C):
     if k > 16:
         x[1, 512:768] = -np.abs(g[1, 512:768])                 # negative-only
     return x
+
+
+def assert_edges_taken(raw, qtype):
+    """edge_rows' first super-blocks take the branches they were built for (ref's bytes)."""
+    if qtype == T.Q8_0:
+        return
+    size, at = (144, 0) if qtype == T.Q4_K else (210, 208)
+    d = raw.reshape(len(raw), -1, size)[:4, 0, at:at + 2].copy().view(np.uint16)[:, 0] & 0x7FFF   # |fp16 d|
+    assert d[1] == 0 and 0 < d[2] < 0x400, f"d flushed {d[1]:#x}, subnormal {d[2]:#x}"
+    if qtype == T.Q6_K:
+        assert not raw[0, :210].any(), "a block below 1e-15 is all zero bytes"
 
 
 def run(x, qtype, dtype=torch.float32):
@@ -76,7 +87,9 @@ def test_bytes_equal_numpy(qtype, C, rows):
     """Stress and edge rows; at 2048 x 9 (72 super-blocks) the interpreter's second program is partial."""
     rng = fresh_rng()
     x = np.concatenate([edge_rows(rng, C), stress_rows(rng, rows, C)])
-    assert_same_bytes(run(x, qtype)[0], quantize(x, qtype), qtype)
+    ref = quantize(x, qtype)
+    assert_edges_taken(ref, qtype)
+    assert_same_bytes(run(x, qtype)[0], ref, qtype)
 
 
 def sensitive_blocks(monkeypatch, qtype, n=48):

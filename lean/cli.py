@@ -17,6 +17,7 @@ exits with status 143. Data warnings print as one "lean-train: warning:" line. W
 numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse
+import contextlib
 import importlib.util
 import signal
 import sys
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-lr-ratio", type=float, default=d.min_lr_ratio, field="min_lr_ratio", help="cosine floor as a fraction of --lr")
     a("--weight-decay", type=float, default=d.weight_decay, field="weight_decay")
     a("--max-grad-norm", type=float, default=d.max_grad_norm, field="max_grad_norm", help="gradient clipping norm")
-    a("--r", type=int, default=None, field="r", help="LoRA rank")
+    a("--r", "--lora-r", type=int, default=None, field="r", help="LoRA rank (--lora-r: the same, for torchrun, whose "
+      "own parser takes --r for one of its flags)")
     a("--alpha", type=float, default=None, field="alpha", help="LoRA alpha")
     a("--dropout", type=float, default=d.dropout, field="dropout", help="LoRA dropout")
     a("--targets", default="all", help="'all' or a comma list of q,k,v,o,gate,up,down")
@@ -107,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export-gguf", metavar="TYPE", help="also write --out/<run>-<TYPE>.gguf after training (and --merge): "
       "the merged model for llama.cpp, Ollama, LM Studio, with a Modelfile beside it; TYPE one of "
       f"{', '.join(GGUF_TYPES)} (lean-export writes it for a finished run, or the adapter alone)")
+    a("--shard-weights", action="store_true", help="under torchrun: each process holds 1/N of every layer's "
+      "frozen weights and all-gathers a layer's weights one layer ahead of its use (a model too big for one GPU)")
+    a("--dist-timeout", type=int, default=d.dist_timeout, field="dist_timeout", help="under torchrun (several "
+      "processes, data parallel): seconds a collective waits for the other ranks before the run stops with an error")
     a("--load-in-4bit", action="store_true", help="QLoRA: hold the base model's seven projections in 4-bit NF4 "
       "(bitsandbytes' format, double quantisation), quantised as the model loads; a checkpoint already in "
       "bitsandbytes' 4-bit layout (a *-bnb-4bit upload) loads so without it. --merge then writes bf16")
@@ -145,7 +151,8 @@ def config_from_args(args):
         progress=not args.quiet, sample_prompt=args.sample_prompt, heldout_tokens=args.heldout_tokens,
         report_process=None,  # on a CPU with a core to spare, the report runs beside the training
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph,
-        quant="nf4" if args.load_in_4bit else None, **recipe)
+        quant="nf4" if args.load_in_4bit else None, dist_timeout=args.dist_timeout,
+        shard_weights=args.shard_weights, **recipe)
     if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
         cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
     return cfg
@@ -200,12 +207,15 @@ def main(argv=None) -> int:
     143 SIGTERM (one line: what is saved and what to run next)."""
     from .kernels.arch import UnsupportedGPU
     from .runtime.checkpoint import RunLock
+    from .runtime.dist import env_ranks
     from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
     from .runtime.settings import check_config, check_export_gguf
     from .runtime.train import TrainError, resolve_device_dtype, train
 
     args = build_parser().parse_args(argv)
+    rank, world, _ = env_ranks()  # under torchrun: this process's rank (data parallel, runtime/dist.py)
+    name = f"lean-train [rank {rank}]" if world > 1 else "lean-train"  # the other ranks print errors only
     show = warnings.showwarning
     warnings.showwarning = _data_warnings_as_lines(show)
     terminated = []
@@ -216,25 +226,32 @@ def main(argv=None) -> int:
         gguf_type = check_export_gguf(args.export_gguf)
         if resolve_device_dtype(cfg)[0] == "cpu":  # the kernels run in Triton's interpreter
             one_blas_thread()
-        with RunLock(cfg.out_dir):  # held through the merge too: the folder has one owner
+        # held through the merge too: the folder has one owner (several processes: rank 0's, taken
+        # inside train() once every rank has joined, and again for the merge)
+        with RunLock(cfg.out_dir) if world == 1 else contextlib.nullcontext():
             metrics = train(cfg)
-            merged = merge_run(cfg, metrics["adapter"]) if args.merge else None
-            exported = export_gguf(cfg, gguf_type) if gguf_type else None
+            # several processes: rank 0 alone merges and exports, under the folder's lock
+            after = (args.merge or gguf_type) and rank == 0
+            with RunLock(cfg.out_dir) if world > 1 and after else contextlib.nullcontext():
+                merged = merge_run(cfg, metrics["adapter"]) if args.merge and rank == 0 else None
+                exported = export_gguf(cfg, gguf_type) if gguf_type and rank == 0 else None
     except KeyboardInterrupt as e:
-        print(f"lean-train: {'stopped by SIGTERM: ' if terminated else ''}"
+        print(f"{name}: {'stopped by SIGTERM: ' if terminated else ''}"
               f"{e or 'interrupted: nothing was saved by this run; run the same command again'}", file=sys.stderr)
         return 143 if terminated else 130
     except (ValueError, TrainError, ModelLoadError, UnsupportedGPU) as e:  # DataError, LoRAError, ConfigError, ...
-        print(f"lean-train: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file train() does not own (the merge's, a cache): name it
         from .runtime.train import os_error_text
-        print(f"lean-train: error: {os_error_text(e)}", file=sys.stderr)
+        print(f"{name}: error: {os_error_text(e)}", file=sys.stderr)
         return 2
     finally:
         warnings.showwarning = show
         if term is not None:
             signal.signal(signal.SIGTERM, term)
+    if rank != 0:
+        return 0
     if merged is not None:
         path, dequantised, out_dtype = merged
         print(f"lean-train: merged model in {path}" + (f" (written in {out_dtype}: its "

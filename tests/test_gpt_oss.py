@@ -13,7 +13,7 @@ import lean
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
 from lean.reference.mxfp4 import mxfp4_dequant_ref, mxfp4_quantize_ref
 from tests.hf_models import build_hf
-from tests.util import DEVICE, fresh_generator
+from tests.util import DEVICE, fresh_seed
 
 
 def oss_config(E=4, K=2, window=5, layers=2, **kw):
@@ -24,10 +24,6 @@ def oss_config(E=4, K=2, window=5, layers=2, **kw):
         num_key_value_heads=2, head_dim=32, vocab_size=131, num_local_experts=E, num_experts_per_tok=K,
         sliding_window=window, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
         dtype=torch.float32), **kw})
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
 def _save_mxfp4(hf, hf_dir, out):
@@ -87,7 +83,7 @@ def test_gpt_oss_step_matches_hf_peft(tmp_path, monkeypatch, E, K, mxfp4, fused)
     """(E 4: the adapters test below.) MXFP4 experts both ways models/moe.py can read them: a
     transient dequantised weight per GEMM (the default), and gmm_mxfp4 (MXFP4_FUSED)."""
     monkeypatch.setattr(lean.models.moe, "MXFP4_FUSED", fused)
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, oss_config(E, K, **({"intermediate_size": 64} if mxfp4 else {})), seed,
                              mxfp4=mxfp4)
@@ -123,7 +119,7 @@ def test_gpt_oss_adapters_both_ways_merge_and_generate(tmp_path, mxfp4):
     from lean.runtime.generate import generate
     from lean.runtime.merge import merge_and_save
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, oss_config(4, 2, window=3, **({"intermediate_size": 32} if mxfp4 else {})),
                              seed, mxfp4=mxfp4)
@@ -163,7 +159,7 @@ def test_train_runs_an_mxfp4_gpt_oss_and_resumes(tmp_path, monkeypatch):
     import lean.runtime.train as T
     from tests.test_train import _metrics, _raise_on_call, _records, _write_tokenizer
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     _setup(tmp_path, oss_config(4, 2, window=4, vocab_size=16, intermediate_size=32), seed, mxfp4=True)
     _write_tokenizer(tmp_path / "model")

@@ -11,7 +11,7 @@ from lean.models.presets import PRESETS
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
 from lean.reference.mxfp4 import mxfp4_dequant_ref, mxfp4_quantize_ref
 from lean.reference.rule import l2_rule
-from tests.util import fresh_generator
+from tests.util import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +19,6 @@ pytestmark = pytest.mark.gpu
 def oss20b(layers):
     return dict(PRESETS["gpt-oss-20b"], num_hidden_layers=layers,
                 layer_types=PRESETS["gpt-oss-20b"]["layer_types"][:layers])
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
 def _docs(rng, vocab, total, mean=300):
@@ -65,7 +61,7 @@ def test_gpt_oss_step_bf16_20b_shapes(mxfp4):
     within 2x torch's bf16 error + 1e-3 (relative L2) for the loss and every LoRA gradient."""
     from transformers import AutoModelForCausalLM
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     config = oss20b(4)
     hf_cfg, hf = _hf(config, seed)
@@ -120,7 +116,7 @@ def test_gpt_oss_graph_step_equals_eager_and_makes_no_sync(mxfp4):
     from lean.models.config import config_from_hf
     from lean.models.weights import empty_model, random_mxfp4_
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     T, D = 1024, 12
     config = dict(oss20b(2), quantization_config=PRESETS["gpt-oss-20b-mxfp4"]["quantization_config"]) if mxfp4 \

@@ -11,11 +11,7 @@ from lean.kernels.gemm import tma_at_every_size
 from lean.kernels.linear_ce import linear_ce_fwd_bwd
 from lean.runtime.batch import IGNORE, PinnedUpload
 from tests.hf_models import build_hf, tiny_config
-from tests.util import DEVICE, fresh_generator
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+from tests.util import DEVICE, fresh_generator, fresh_seed
 
 
 def _docs(rng, vocab, lens, masked=False):
@@ -32,7 +28,7 @@ def _docs(rng, vocab, lens, masked=False):
 # ---- fixed-shape packing (host only) -------------------------------------------------------------
 
 def test_fixed_shape_pack_keeps_shapes_and_content():
-    rng = np.random.default_rng(_seed())
+    rng = np.random.default_rng(fresh_seed())
     T, D = 64, 6
     for n_docs in (1, 3, 5, 6):
         lens = rng.multinomial(T - n_docs, np.ones(n_docs) / n_docs) + 1  # n_docs lengths >= 1, sum T
@@ -124,7 +120,7 @@ def test_fixed_shape_padding_changes_no_loss_or_gradient():
     """The same documents packed plainly and with fixed shapes (a padding document and empty
     slots): equal loss, target count and LoRA gradients. The padded run takes grad_scale as a
     device tensor, as the captured step does."""
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     model = lean.model_from_tensors(tiny_config("qwen3").to_dict() | {"architectures": ["Qwen3ForCausalLM"]},
                                     build_hf("qwen3", seed).state_dict(), dtype=torch.float32, device=DEVICE)
@@ -185,7 +181,7 @@ def _gpu_batches(rng, vocab, T, D):
 
 @pytest.mark.gpu
 def test_graph_step_equals_eager_bitwise():
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     T, D = 1024, 12
     model, ((lora_e, opt_e), (lora_g, opt_g)) = _gpu_setup(seed, 2)
@@ -212,7 +208,7 @@ def test_graph_step_equals_eager_bitwise():
 
 @pytest.mark.gpu
 def test_graph_step_makes_no_host_sync():
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     T, D = 1024, 12
     model, ((lora, opt),) = _gpu_setup(seed, 1)

@@ -10,7 +10,7 @@ import torch
 import lean
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
 from tests.hf_models import build_hf
-from tests.util import DEVICE, fresh_generator
+from tests.util import DEVICE, fresh_seed
 
 # (E, K, norm_topk_prob, mlp_only_layers): k = 1 and k = E, some layers dense, renormalise both ways
 CASES = {  # k = 1: test_few_tokens_leave_experts_empty (E 12)
@@ -28,10 +28,6 @@ def moe_config(E, K, norm, dense, layers=2, **kw):
                num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=131, max_position_embeddings=256,
                rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=E, num_experts_per_tok=K,
                norm_topk_prob=norm, mlp_only_layers=dense, dtype=torch.float32), **kw})
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
 def _setup(tmp_path, config, seed, r=4, alpha=8, targets="all"):
@@ -75,7 +71,7 @@ def _compare(lora, loss_sum, n, ref_sum, ref_n, ref_grads, tol=1e-4):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_step_matches_hf_peft(tmp_path, case):
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, moe_config(*CASES[case]), seed)
     assert any(w.moe for w in model.layers)
@@ -91,7 +87,7 @@ def test_moe_step_matches_hf_peft(tmp_path, case):
 
 def test_few_tokens_leave_experts_empty(tmp_path):
     """Three tokens over twelve experts (k = 1): most experts get no token in any layer."""
-    seed = _seed()
+    seed = fresh_seed()
     hf, model, lora = _setup(tmp_path, moe_config(12, 1, False, []), seed)
     docs = [[5, 77, 9]]
     lora.zero_grad()
@@ -106,7 +102,7 @@ def test_routing_weight_gradient_is_needed(tmp_path, monkeypatch):
     """Dropping dL/d(routing weights) (the router's backward) must break the gradients below."""
     import lean.models.moe as moe
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, moe_config(8, 2, True, []), seed)
     docs = _docs(rng, model.config.vocab, [12, 7])
@@ -127,7 +123,7 @@ def test_routing_weight_gradient_is_needed(tmp_path, monkeypatch):
 def test_aux_loss_matches_hf(tmp_path):
     """output_router_logits: the loss is the mean token loss + coef * HF's load_balancing_loss_func,
     and its gradient reaches every LoRA tensor below a router."""
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     cfg = moe_config(8, 2, True, [], output_router_logits=True, router_aux_loss_coef=0.5)
     hf, model, lora = _setup(tmp_path, cfg, seed)
@@ -150,7 +146,7 @@ def test_hub_per_expert_layout_loads(tmp_path):
     """The hub's per-expert tensors load into the same fused views as transformers 5's layout."""
     from safetensors.torch import load_file, save_file
 
-    seed = _seed()
+    seed = fresh_seed()
     hf, model, _ = _setup(tmp_path, moe_config(4, 2, True, [1]), seed)
     sd = load_file(str(tmp_path / "model" / "model.safetensors"))
     hub = {}
@@ -190,7 +186,7 @@ def test_adapters_load_both_ways_and_merge(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf, model, lora = _setup(tmp_path, moe_config(4, 2, True, [1]), seed)
     docs = _docs(rng, model.config.vocab, [11, 6])
@@ -236,7 +232,7 @@ def test_moe_layer_rebuilt_in_backward_gives_the_same_bits(tmp_path):
     input in backward) gives the keep step's loss and gradients bit for bit."""
     from lean.runtime.plan import KEEP, RECOMPUTE, make_plan
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     _, model, lora = _setup(tmp_path, moe_config(8, 2, True, [1]), seed)
     batch = lean.pack(_docs(rng, model.config.vocab, [14, 5, 9]), max_tokens=32, device=DEVICE)
@@ -261,7 +257,7 @@ def test_train_runs_an_moe_model(tmp_path):
     import lean.runtime.train as T
     from tests.test_train import _records, _write_tokenizer
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     hf = build_hf("qwen3_moe", seed, config=moe_config(4, 2, True, [], layers=2, vocab_size=16))
     with torch.no_grad():

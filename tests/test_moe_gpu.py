@@ -12,7 +12,7 @@ from lean.models.presets import PRESETS
 from lean.models.weights import empty_model
 from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
 from lean.reference.rule import l2_rule
-from tests.util import fresh_generator
+from tests.util import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -21,10 +21,6 @@ def a3b(layers):
     """Qwen3-30B-A3B's config (C 2048, 128 experts, k 8, moe_intermediate 768, 32/4 heads,
     head_dim 128) with `layers` of its 48 layers."""
     return dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=layers)
-
-
-def _seed():
-    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
 
 
 def _docs(rng, vocab, total, mean=256):
@@ -42,7 +38,7 @@ def test_moe_step_bf16_a3b_shapes():
     attention and experts. The bf16 HF model casts its parameters only (RoPE's inv_freq stays fp32)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     config = a3b(2)
@@ -101,7 +97,7 @@ def _lora(model, seed, g):
 
 
 def test_moe_step_makes_no_host_sync():
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     model, g = _a3b_model(seed)
     lora = _lora(model, seed, g)
@@ -121,7 +117,7 @@ def test_moe_step_makes_no_host_sync():
 
 
 def test_moe_graph_step_equals_eager_bitwise():
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     T, D = 1024, 12
     model, g = _a3b_model(seed)

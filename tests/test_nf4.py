@@ -19,12 +19,12 @@ def _bits(t):
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def _weight(O, K, dtype, g, kind="randn"):
+def _weight(O, K, dtype, g, kind="randn", blocksize=64):
     w = torch.randn(O, K, generator=g) * 0.02
     if kind == "special":  # an all-zero block, a constant block, values on the NF4 thresholds, a huge outlier
-        w[0, :64] = 0.0
+        w[0, :blocksize] = 0.0
         if O > 1:
-            w[1, :64] = 0.5
+            w[1, :blocksize] = 0.5
         if O > 2:
             t = torch.tensor(NF4_BOUNDS, dtype=torch.float32)
             w[2, :15], w[2, 15] = t * 0.25, 0.25  # absmax 0.25 (a power of two): s = t exactly
@@ -48,15 +48,18 @@ def test_tables():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("O,K,kind", [(1, 64, "randn"), (5, 192, "special"), (37, 128, "randn"), (300, 64, "special")])
-def test_quantize_matches_ref(dtype, O, K, kind):
-    """Every packed byte, nested absmax byte, absmax2 and the offset equal the reference; nb not a
-    multiple of 256 (a short last nested block) in every case."""
+@pytest.mark.parametrize("O,K,kind,blocksize", [(1, 64, "randn", 64), (5, 192, "special", 64), (37, 128, "randn", 64),
+                                                (300, 64, "special", 64), (37, 256, "special", 128),
+                                                (300, 256, "randn", 128), (9, 96, "special", 32)])
+def test_quantize_matches_ref(dtype, O, K, kind, blocksize):
+    """Every packed byte, nested absmax byte, absmax2 and the offset equal the reference, in blocks of
+    64 and of 32 and 128 (other bnb_4bit_blocksize values a checkpoint may hold); nb not a multiple of
+    256 (a short last nested block) in every case, more than 256 in some."""
     g = fresh_generator("cpu")
-    w = _weight(O, K, dtype, g, kind)
-    q = empty_nf4(O, K, DEVICE)
+    w = _weight(O, K, dtype, g, kind, blocksize)
+    q = empty_nf4(O, K, DEVICE, blocksize)
     nf4_quantize(q, w)
-    p, aq, a2, off = quantize_nf4_ref(w)
+    p, aq, a2, off = quantize_nf4_ref(w, blocksize)
     assert np.array_equal(q.packed.cpu().numpy(), p)
     assert np.array_equal(q.absmax.cpu().numpy(), aq)
     assert np.array_equal(q.absmax2.cpu().numpy().view(np.int32), a2.view(np.int32))
@@ -77,26 +80,26 @@ def test_quantize_given_offset(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("O,K", [(3, 64), (37, 192), (130, 256)])
-def test_dequant_matches_ref(dtype, O, K):
+@pytest.mark.parametrize("O,K,blocksize", [(3, 64, 64), (37, 192, 64), (130, 256, 64), (37, 256, 128), (9, 96, 32)])
+def test_dequant_matches_ref(dtype, O, K, blocksize):
     """nf4_dequant: the reference's bits (signed zeros included), and a round trip within half the
-    widest NF4 gap times the block absmax (plus the nested absmax's own error)."""
+    widest NF4 gap times the block absmax (plus the nested absmax's own error); blocks of 64, 32, 128."""
     g = fresh_generator("cpu")
-    w = _weight(O, K, torch.float32, g, "special")
-    q = empty_nf4(O, K, DEVICE)
+    w = _weight(O, K, torch.float32, g, "special", blocksize)
+    q = empty_nf4(O, K, DEVICE, blocksize)
     nf4_quantize(q, w)
     out = torch.full((O, K), float("nan"), dtype=dtype, device=DEVICE)
     nf4_dequant(out, q)
     ref = dequantize_nf4_ref(q.packed.cpu().numpy(), q.absmax.cpu().numpy(), q.absmax2.cpu().numpy(),
-                             q.offset.item(), (O, K), dtype)
+                             q.offset.item(), (O, K), dtype, blocksize)
     assert torch.equal(_bits(out.cpu()), _bits(ref))
-    blk = w.reshape(-1, 64).abs().amax(1, keepdim=True).cpu()                     # (nb, 1) true absmax
+    blk = w.reshape(-1, blocksize).abs().amax(1, keepdim=True).cpu()              # (nb, 1) true absmax
     code2 = torch.tensor(dynamic_map())
     A = code2[q.absmax.cpu().long()] * q.absmax2.cpu()[torch.arange(blk.shape[0]) // 256] + q.offset.cpu()
     gap = float(np.max(np.diff(NF4_CODE))) / 2
-    err = (out.float().cpu() - w.cpu()).reshape(-1, 64).abs()
+    err = (out.float().cpu() - w.cpu()).reshape(-1, blocksize).abs()
     # NF4's rounding (half the widest gap of the block's absmax), the nested absmax's error, out's
-    rnd = out.float().cpu().abs().reshape(-1, 64) * torch.finfo(dtype).eps         # out's own rounding
+    rnd = out.float().cpu().abs().reshape(-1, blocksize) * torch.finfo(dtype).eps  # out's own rounding
     assert bool((err <= blk * gap + (A[:, None] - blk).abs() + 1e-2 * blk + rnd + 1e-6).all())
     # q.dense(): the same bits
     assert torch.equal(_bits(q.dense(dtype).cpu()), _bits(out.cpu()))

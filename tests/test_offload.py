@@ -161,7 +161,8 @@ class LiveBytes:
     ("qwen3", 16, 0.0, (U, O, U)),  # QK-norm; three slots share two reload buffers; last layer offloaded
     ("qwen2", 8, 0.0, (O, O, O)),  # every input offloaded, no up
     ("llama", 8, 0.1, (U, O, R, K)),  # dropout masks regenerated in the rebuild; padded rank 8; every mode
-], ids=["qwen3-offload-up", "qwen2-offload-all", "llama-mixed"])
+    ("qwen3", 4, 0.0, (U, K)),  # the peak in the kept layer's forward, while layer 0's rows are still held
+], ids=["qwen3-offload-up", "qwen2-offload-all", "llama-mixed", "qwen3-peak-while-held"])
 def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
     gen = fresh_generator("cpu")
     model = _model(_tiny(arch, len(modes)), gen)

@@ -39,6 +39,11 @@ def fresh_generator(device=DEVICE):
     return g
 
 
+def fresh_seed():
+    """An int seed for a test's draws, from fresh_generator (printed; LEAN_TEST_SEED replays it)."""
+    return int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+
+
 def randn(*shape, g, dtype=torch.float32, device=DEVICE, scale=1.0):
     return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
 

@@ -10,7 +10,8 @@ kernel, its arguments and options instead of launching. What runs per preset mod
 every layer launches the same kernels): the eager step over a packed 8192-token batch (documents
 of 1 token up to the longest), the same inside gemm.tma_at_every_size (what StepGraph captures:
 TMA at every size where the arch takes it), a rebuilt-in-backward plan (the deferred dA kernels),
-LoRA dropout, AdamW, evaluation (loss_eval) and a short batch, the logits GEMM, and generation's
+LoRA dropout, AdamW, evaluation (loss_eval) and a short batch, the logits GEMM, the loss and logits
+with the lm_head streamed from the host (head_host.py), and generation's
 cached forward and argmax. Kernels no step launches (the dropout-mask test kernel, attention's
 TMA loops forced) are called directly. Then each distinct (kernel, specialization, options) is
 compiled by triton.compile for GPUTarget("cuda", cc, 32) with Triton's own ptxas, and its
@@ -108,6 +109,17 @@ def _gptoss_expert_launches(tokens, dtype, C=2880, F=2880, E=32, K=4, R=16):
     gmm_mxfp4(t(P, C), t(P, 2 * F), blocks, scales, off, transpose=True, lora=(t(P, R), t(E, C, R), 2.0))
 
 
+def _gguf_quant_launches(R=14336, C=4096):
+    """The GGUF export's quantisers (kernels/gguf_quant.py) on an 8B's ffn_gate (R x C): Q8_0, Q4_K
+    and Q6_K from bf16 rows (a checkpoint's dtype) and from fp32 (a merge kept in fp32)."""
+    from lean.kernels.gguf_quant import QTYPES, quantize_rows, row_bytes
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.empty(R, C, dtype=dtype, device=META)
+        for qtype in QTYPES:
+            quantize_rows(torch.empty(R, row_bytes(C, qtype), dtype=torch.uint8, device=META), x, qtype)
+
+
 def _nf4_launches(cfg, dtype, batch, tokens):
     """An NF4 copy of a dense preset (kernels/nf4.py): quantise and dequantise a projection, then the
     step with nf4.FUSED forced each way (the pointer kernels' NF4 decode; the scratch copy)."""
@@ -142,6 +154,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     from lean.models.dense import Ctx
     from lean.models.weights import empty_model
     from lean.runtime.generate import _forward_cached
+    from lean.runtime.head_host import head_to_host
     from lean.runtime.plan import KEEP, RECOMPUTE, make_plan
 
     cfg = config_from_hf({**hf_config, "num_hidden_layers": 2})
@@ -167,6 +180,12 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         lean.forward_backward(model, lora, big, plan=plan)
         lean.loss_eval(model, lora, big)
         lean.forward(model, lora, small)
+        # the lm_head streamed from the host (plan.head_host): the loss and the logits by vocabulary chunks
+        streamed = empty_model(cfg, dtype, META)
+        head_to_host(streamed)
+        lean.forward_backward(streamed, lora, big)
+        lean.loss_eval(streamed, lora, big)
+        lean.forward(streamed, lora, small)
         if moe:  # the load-balancing loss (off in the preset): router probability sums and moe_aux
             aux = empty_model(config_from_hf({**hf_config, "num_hidden_layers": 2, "output_router_logits": True}),
                               dtype, META)
@@ -185,6 +204,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
             _gptoss_expert_launches(tokens, dtype)
         else:  # QLoRA: the model in NF4, quantised at load, its step through the fused decode and the scratch copy
             _nf4_launches(cfg, dtype, big, tokens)
+        _gguf_quant_launches()  # the GGUF export's (no step launches them)
         # kernels no step launches: the dropout mask (tests), RMSNorm's weight gradient (the norms are
         # frozen under LoRA) and attention's TMA loops forced on
         lora_dropout_mask(torch.empty(tokens, cfg.hidden, dtype=dtype, device=META), 0, 0.1)

@@ -1191,6 +1191,10 @@ def main():
     st.add_argument("--profile", action="store_true", help="instead of the table: lean's GPU time per kernel family "
                     "per step, one model/layout per process (tools/bench_profile.py; default layout packed)")
     st.add_argument("--smoke", action="store_true", help="CPU, tiny configs, interpreter, no timing claims")
+    st.add_argument("--nproc", type=int, help="N GPUs: lean's data-parallel step through torchrun (N x 8192 tokens) "
+                    "beside its one-GPU row, and HF+PEFT through accelerate launch beside its own (tools/bench_dist.py)")
+    st.add_argument("--shard-weights", action="store_true", help="with --nproc: also lean's row with the layers' "
+                    "frozen weights sharded over the GPUs (lean.runtime.shard)")
     args = p.parse_args()
     if args.smoke:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
@@ -1209,6 +1213,11 @@ def main():
             layouts = split(args.layouts or "packed")
             return cmd_profile(models, layouts, args)
         steps = args.steps or (1 if args.smoke else 8)
+        if args.nproc:
+            import bench_dist
+
+            return bench_dist.main(models, layouts, args.nproc, steps, graph=args.graph, shard=args.shard_weights,
+                                   peers=split(args.peers), smoke=args.smoke, json_path=args.json, timeout=args.timeout)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
                         smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable,
                         n_layers=args.layers, lean_attn=args.lean_attn_only)

@@ -286,12 +286,14 @@ def lean_plan(model, lora, n_tokens, budget_gib):
 
 def plan_note(plan):
     """'plan: 2 recompute, 0 offload, 0 offload_up of 36 layers (predicted 10.5 GiB)' (', embedding on
-    the host' when the plan moved the table) or '' for no plan."""
+    the host' when the plan moved the table, ', lm_head streamed from the host' the head) or '' for no
+    plan."""
     if plan is None:
         return ""
     n = {m: plan.modes.count(m) for m in ("recompute", "offload", "offload_up")}
     return (f"plan: {n['recompute']} recompute, {n['offload']} offload, {n['offload_up']} offload_up of "
-            f"{len(plan.modes)} layers{', embedding on the host' if plan.embed_host else ''} "
+            f"{len(plan.modes)} layers{', embedding on the host' if plan.embed_host else ''}"
+            f"{', lm_head streamed from the host' if plan.head_host else ''} "
             f"(predicted {plan.memory.peak / 2**30:.2f} GiB)")
 
 

@@ -13,7 +13,9 @@
 #           nvidia namespace.
 #   .whl/b  bitsandbytes 0.50.2 (41 MiB; unused by a bf16 step, but without it Unsloth runs
 #           `ldconfig` at import) and liger-kernel 0.8.5 (0.9 MiB: here, so that a call carrying
-#           .whl/b alone runs every peer but Unsloth, and `gpu_check.sh bench` has its baseline).
+#           .whl/b alone runs every peer but Unsloth, and `gpu_check.sh bench` has its baseline),
+#           and accelerate 1.15.0 (pure Python, under 1 MiB: HF+PEFT's multi-GPU row of `bench.py
+#           step --nproc N` starts through `accelerate launch`).
 # Versions are PEERS.md's. Every wheel is fetched with --no-deps: the list above is exactly what
 # the device lacks (PEERS.md, checked there); anything else unsloth declares it imports lazily.
 # The device calls that use these folders are written at the top of tools/bench_step.py.
@@ -27,7 +29,7 @@ LIMIT_MIB=60
 
 A_PKGS=(unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1
         multiprocess==0.70.19 xformers==0.0.35)
-B_PKGS=(bitsandbytes==0.50.2 liger-kernel==0.8.5)
+B_PKGS=(bitsandbytes==0.50.2 liger-kernel==0.8.5 accelerate==1.15.0)
 CUDART=nvidia-cuda-runtime-cu12==12.8.90
 
 # manylinux tags are matched exactly: bitsandbytes 0.50.2 ships only manylinux_2_24.

@@ -6,6 +6,10 @@
 #   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py kernels (e.g. --only attention,lora)
 #   tools/gpu_check.sh step [ARGS]  # the step bench, lean and the peers: ARGS go to bench.py step
 #   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)
+#   tools/gpu_check.sh dist N [ARGS] # several GPUs (an nvidia-h100-x2 / -x4 machine): the multi-GPU tests
+#                                   # (tests/test_dist_gpu.py), then bench.py step --nproc N ARGS (lean on N
+#                                   # GPUs beside one, HF+PEFT through accelerate launch); NVLink multicast
+#                                   # stays off (NCCL_NVLS_ENABLE=0 ...); logs dist-tests.log, dist.log, dist.json
 #   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
 #                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
 #                                   # logs get a -portable suffix (tests-portable.log, ...)
@@ -37,8 +41,11 @@ PART=${1:-all}
 case "$PART" in
     all) [ $# -eq 0 ] || { echo "gpu_check.sh: extra args need a part (tests ARGS, bench ARGS)"; exit 2; } ;;
     tests|bench|step) ;;
+    dist) NPROC=${1:-}
+          [[ "$NPROC" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: dist needs the GPU count first (dist 2 [ARGS])"; exit 2; }
+          shift ;;
     wheels) [ $# -eq 0 ] || { echo "gpu_check.sh: wheels takes no args"; exit 2; } ;;
-    *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step or wheels)"; exit 2 ;;
+    *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step, dist or wheels)"; exit 2 ;;
 esac
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-270}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-190}
@@ -83,6 +90,18 @@ print('installed:', ', '.join(f'{m} {\"yes\" if u.find_spec(m) else \"no\"}' for
 tests_rc=skipped
 bench_rc=skipped
 step_rc=skipped
+dist_rc=skipped
+if [ "$PART" = dist ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device notes' rule
+    nvidia-smi topo -m 2>/dev/null | head -n $((NPROC + 1))
+    echo "=== multi-GPU tests (cap ${TESTS_TIMEOUT}s)"
+    timeout "$TESTS_TIMEOUT" python3 -m pytest -q --durations=10 tests/test_dist_gpu.py 2>&1 | tee "$OUT/dist-tests$SUFFIX.log"
+    tests_rc=$?
+    echo "=== bench step --nproc $NPROC (cap ${STEP_TIMEOUT}s)"
+    timeout "$STEP_TIMEOUT" python3 tools/bench.py step --nproc "$NPROC" --json "$OUT/dist$SUFFIX.json" "$@" 2>&1 \
+        | tee "$OUT/dist$SUFFIX.log"
+    dist_rc=$?
+fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
     echo "=== tests (cap ${TESTS_TIMEOUT}s)"
     per_test=()
@@ -112,8 +131,10 @@ fi
 echo
 echo "=================================== recap${SUFFIX:+ (LEAN_PORTABLE=1)} ==================================="
 if [ "$tests_rc" != skipped ]; then
-    grep -E "^(FAILED|ERROR) " "$OUT/tests$SUFFIX.log" | cut -c1-160 | head -20
-    summary=$(tail -n 1 "$OUT/tests$SUFFIX.log")
+    log="$OUT/tests$SUFFIX.log"
+    [ "$PART" = dist ] && log="$OUT/dist-tests$SUFFIX.log"
+    grep -E "^(FAILED|ERROR) " "$log" | cut -c1-160 | head -20
+    summary=$(tail -n 1 "$log")
     [ "$tests_rc" = 124 ] && summary="killed at ${TESTS_TIMEOUT}s"
     echo "tests: rc=$tests_rc ($summary)"
 fi
@@ -137,6 +158,16 @@ if [ "$step_rc" != skipped ]; then
         grep "^row " "$OUT/step$SUFFIX.log"  # the table never printed: the rows as they were measured
     fi
 fi
+if [ "$dist_rc" != skipped ]; then
+    [ "$dist_rc" = 124 ] && echo "dist: killed at ${STEP_TIMEOUT}s: the rows measured so far"
+    echo "dist: rc=$dist_rc"
+    if grep -q "^model  " "$OUT/dist$SUFFIX.log"; then
+        sed -n '/^model  /,$p' "$OUT/dist$SUFFIX.log"
+    else
+        grep "^row " "$OUT/dist$SUFFIX.log" | cut -c1-300
+    fi
+fi
+[ "$dist_rc" = skipped ] || [ "$dist_rc" = 0 ] || exit 1
 [ "$tests_rc" = skipped ] || [ "$tests_rc" = 0 ] || exit 1
 [ "$bench_rc" = skipped ] || [ "$bench_rc" = 0 ] || exit 1
 [ "$step_rc" = skipped ] || [ "$step_rc" = 0 ] || exit 1

@@ -14,7 +14,7 @@ dx, dA, dB):
 Times: triton.testing.do_bench_cudagraph medians (GPU time, as a captured step pays). "x bf16" is
 bf16's time over the row's; "%floor" the row's floor (the larger of its flops at the bf16 matmul rate
 and its bytes at the copy rate, both measured here; NF4 bytes for the weight: O K / 2 + O K / 64)
-over its time. --json writes the rows (the policy table in kernels/nf4.py is read from them).
+over its time. --json writes the rows (kernels/nf4.nf4_fused's choice cites them).
 """
 import argparse
 import json
@@ -97,7 +97,8 @@ def main(argv=None):
             row[op] = times
             if a.smoke:
                 continue
-            flops = 2 * N * K * O * (1 if op == "fwd" else 1) + 4 * N * R * (K + O)
+            # W frozen: one (N, K, O) GEMM each way (y; dx). LoRA: xa, xa B^T forward; dyb, dx += dyb A, dA, dB backward
+            flops = 2 * N * K * O + (2 if op == "fwd" else 4) * N * R * (K + O)
             moved = 2 * N * (K + O) + O * K // 2 + O * K // 64
             floor = max(flops / flops_rate, moved / bw) * 1e3
             f, s, b = times["fused"], times["scratch"], times["bf16"]

@@ -36,7 +36,8 @@ Supported: K a multiple of QB (every block lies in one row; all Llama / Qwen pro
 power of two 32..4096 (checkpoints: read from the file), QB2 = 256 (bitsandbytes' only nested size),
 out fp32 / fp16 / bf16, any O.
 Tested: tests/test_nf4.py (interpreter): quantise and dequantise against the numpy reference bit for
-bit on random, all-zero, constant, tied and tail-block inputs; the dynamic map against
+bit on random, all-zero, constant, tied and tail-block inputs, in blocks of 32, 64 and 128 (checkpoints
+of 32 and 128 load: tests/test_qlora.py); the dynamic map against
 bitsandbytes' construction; round trips; the LoRA GEMMs on an Nf4 both ways. On the GPU (H100, the
 same file): against bitsandbytes 0.50's CUDA quantize_4bit / dequantize_4bit at 4096^2, 1024x4096,
 12288x4096, 4096x12288 and 37x192, bf16 / fp16 / fp32, bit for bit given its offset (the NF4 decimal
@@ -249,8 +250,9 @@ def _nested_quantize_kernel(
 
 @triton.jit
 def block_absmax(aq_ptr, absmax2_ptr, code2_ptr, offset, blk, ok, QB2: tl.constexpr, PTX: tl.constexpr):
-    """A_b = code2[absmax[b]] * absmax2[b / QB2] + offset for block indices blk (any shape; 0 where
-    not ok); the product and the sum round separately, as bitsandbytes' two kernels do."""
+    """A_b = code2[absmax[b]] * absmax2[b / QB2] + offset for block indices blk (any shape; where not
+    ok, the masked loads read 0 and it is `offset`: callers mask it); the product and the sum round
+    separately, as bitsandbytes' two kernels do."""
     aq = tl.load(aq_ptr + blk, mask=ok, other=0).to(tl.int32)
     return _mul_rn(tl.load(code2_ptr + aq), tl.load(absmax2_ptr + blk // QB2, mask=ok, other=0.0), PTX) + offset
 

@@ -41,6 +41,7 @@ aligned to 16 bytes (its fp32 parts are uint8 bytes viewed as fp32). A pre-quant
 (bitsandbytes' 4-bit layout, as the hub's *-bnb-4bit uploads hold it) names them:
 
     packed   self_attn.q_proj.weight                              (O*K/2, 1) uint8 -> (O, K/2)
+             (or the same bytes in a bnb_4bit_quant_storage dtype: bf16 (O*K/4, 1), as FSDP-QLoRA saves)
     absmax   self_attn.q_proj.weight.absmax                       (nb,) uint8
     absmax2  self_attn.q_proj.weight.nested_absmax                (nb2,) fp32
     code2    self_attn.q_proj.weight.nested_quant_map             (256,) fp32
@@ -48,7 +49,7 @@ aligned to 16 bytes (its fp32 parts are uint8 bytes viewed as fp32). A pre-quant
     offset   self_attn.q_proj.weight.quant_state.bitsandbytes__nf4   uint8 bytes of a JSON object:
              quant_type, blocksize, dtype, shape, nested_blocksize, nested_dtype, nested_offset
 A bf16 checkpoint loaded with quant="nf4" is quantised as it loads (runtime/loader.py).
-(Qwen3-8B: 3.8 GB for its 36 layers' projections against 13.9 GB in bf16.)
+(Qwen3-8B: 3.58 GB for its 36 layers' projections against 13.9 GB in bf16.)
 """
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -195,13 +196,15 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class Layer:
-    """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it."""
+    """One decoder layer's frozen weights: `buf` is the flat buffer, every field a view of it.
+    buf, qbuf: flat buffers (of at least the layer's size) to lay the fields over instead of
+    allocating them: a gathered full layer of sharded weights (runtime/shard.py)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device, li: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype, device, li: int = 0, buf=None, qbuf=None):
         fields = layer_fields(cfg, li)
         self.moe = cfg.is_moe(li)
         numel = sum(_prod(s) for _, _, s in fields)
-        self.buf = torch.empty(numel, dtype=dtype, device=device)
+        self.buf = torch.empty(numel, dtype=dtype, device=device) if buf is None else buf[:numel]
         self.fields = [name for name, _, _ in fields]
         off = 0
         for name, _, shape in fields:
@@ -212,7 +215,7 @@ class Layer:
         nf4 = [(t, O, K, _nf4_parts(O, K, cfg.quant_block)) for t, _, (O, K) in nf4_projections(cfg, li)]
         qbytes = _align(sum(_prod(s) for _, _, s in qfields))
         qbytes += sum(_align(n) for *_, parts in nf4 for _, n in parts)
-        self.qbuf = torch.empty(qbytes, dtype=torch.uint8, device=device)
+        self.qbuf = torch.empty(qbytes, dtype=torch.uint8, device=device) if qbuf is None else qbuf[:qbytes]
         off = 0
         for name, _, shape in qfields:
             n = _prod(shape)

@@ -1,10 +1,15 @@
 """Plain numpy/torch reference for lean/kernels/nf4.py: bitsandbytes' NF4 with double quantisation as
 its CUDA kernels compute it (csrc kQuantizeBlockwise with dQuantizeNF4, then quantize_blockwise of
 the absmax with dQuantize's binary search; kDequantizeBlockwise), written element by element in
-numpy fp32 (no FMA), independent of lean's kernels. One difference from the GPU: bitsandbytes is built
-with nvcc --use_fast_math, so its 1 / absmax is rcp.approx.ftz.f32 (within one ulp), which numpy
-cannot reproduce; this reference divides exactly, as lean's kernels do under the interpreter (on a
-GPU they issue the same rcp.approx as bitsandbytes: tests/test_nf4.py compares them there).
+numpy fp32 (no FMA), with none of lean's kernel code. It shares two constant tables with
+lean/kernels/nf4.py, imported from there: NF4_CODE (bitsandbytes' 16 values, copied from its source)
+and bounds_f32() (its 15 thresholds as its compiler rounds the decimal literals). They are data, not
+computation, written once; tests/test_nf4.py::test_tables checks them on their own (the thresholds
+against the midpoints of the values, the known one-ulp pairs).
+One difference from the GPU: bitsandbytes is built with nvcc --use_fast_math, so its 1 / absmax is
+rcp.approx.ftz.f32 (within one ulp), which numpy cannot reproduce; this reference divides exactly, as
+lean's kernels do under the interpreter (on a GPU they issue the same rcp.approx as bitsandbytes:
+tests/test_nf4.py compares them there).
 
     w (O, K)  ->  packed (O, K/2) uint8 (value 2i high nibble), absmax (nb,) uint8,
                   absmax2 (nb2,) fp32, offset fp32;  nb = O*K / blocksize, nested blocks of 256

@@ -141,6 +141,17 @@ def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None, max_docs=Non
     )
 
 
+def count_targets(docs) -> int:
+    """The target tokens pack(docs) would give (n_targets), counted on the host without packing: a
+    document's tokens after its first, those whose mask is set where it has one. Data-parallel
+    ranks count every rank's micro-batches of a step with it (runtime/dist.py)."""
+    n = 0
+    for i, doc in enumerate(docs):
+        ids, mask = _doc_parts(doc, i)
+        n += max(len(ids) - 1, 0) if mask is None else int(mask[1:].sum())
+    return n
+
+
 def _fill_doc_slots(parts, lens, max_docs, pad_to, n_docs):
     """Append empty documents until there are max_docs (in place): a fixed cu_seqlens length."""
     if pad_to is None:

@@ -14,7 +14,10 @@ out_dir/checkpoint/  adapter/ (PEFT layout), state.safetensors (LoRA params, Ada
   into place; the previous one waits as checkpoint.old until the renames are on the disk, so a
   crash or power loss at any point leaves a complete checkpoint or checkpoint.old to resume from.
   An unreadable checkpoint falls back to checkpoint.old (the broken one kept as checkpoint.bad).
-A resumed run must match the checkpoint's RESUME_KEYS fields and training documents.
+A resumed run must match the checkpoint's RESUME_KEYS fields and training documents. Data parallel
+(runtime/dist.py): state.json records world_size; the data position counts global micro-batches,
+so another world size resumes exactly when world_size x grad_accum (the micro-batches a step) is
+unchanged, and is refused otherwise with both sizes and the fix. Only rank 0 writes the folder.
 out_dir/.lean-train.lock  the run's owner: an OS file lock (flock) held from before anything is
   written until the process ends, with the holder's PID inside; a second run on the folder is
   refused naming that PID. The kernel drops the lock when the process dies (a SIGKILLed run never
@@ -202,18 +205,18 @@ def _trained(out) -> bool:
     return m.exists() and '"kind": "train"' in m.read_text(errors="replace")
 
 
-def earlier_run(cfg) -> list:
+def earlier_run(cfg, world=1) -> list:
     """The files in out_dir that prepare_out_dir will delete. A fresh run (neither resume nor
     overwrite) meeting a run that trained raises TrainError (its checkpoint and metrics would mix
     with this run's); overwrite=True deletes that run's files. The logs of a run that stopped
     before its first step (an OOM, a NaN, Ctrl-C in the first evaluation) hold nothing trained and
     go without asking. Nothing that holds this run's model or data is deleted. Called before
-    anything loads; nothing is deleted here."""
+    anything loads; nothing is deleted here. world: the processes of this run (the resume check)."""
     out = Path(cfg.out_dir)
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume and --overwrite: pass one (continue the run in --out, or delete it and start over)")
     if cfg.resume:
-        _check_resume(out, cfg)
+        _check_resume(out, cfg, world)
         return []
     if not out.is_dir():
         return []
@@ -234,7 +237,7 @@ def earlier_run(cfg) -> list:
     return found
 
 
-def _check_resume(out, cfg):
+def _check_resume(out, cfg, world=1):
     """--resume before anything loads: a checkpoint to resume from (or a finished run, which has
     nothing left to train), made with the settings given now (the documents are checked once loaded)."""
     found = [out / n for n in (CHECKPOINT, f"{CHECKPOINT}.old") if (out / n / "state.json").is_file()]
@@ -242,10 +245,11 @@ def _check_resume(out, cfg):
         return
     for d in checkpoint_dirs(out):
         try:
-            saved = json.loads((d / "state.json").read_text())["config"]
+            state = json.loads((d / "state.json").read_text())
+            saved, saved_world = state["config"], int(state.get("world_size", 1))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable: read_checkpoint names it, or falls back to checkpoint.old
-        _check_settings(d, saved, cfg)
+        _check_settings(d, saved, cfg, world, saved_world)
         return
 
 
@@ -405,7 +409,7 @@ def _read_checkpoint(d) -> tuple:
     return state, t
 
 
-def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
+def read_checkpoint(out_dir, cfg, fingerprint=None, world=1) -> tuple:
     """(state.json, tensors) of the checkpoint to resume from, checked against cfg and the training
     documents' fingerprint (see data_fingerprint; when both have one) before anything loads. An
     unreadable checkpoint falls back to checkpoint.old where one is left: the broken one moves to
@@ -428,7 +432,7 @@ def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
         d = out_dir / CHECKPOINT
         print(f"lean-train: {errors[0]}: resuming from the save before it (checkpoint.old, now {d}; the "
               f"unreadable one is kept as {bad})", flush=True)
-    _check_settings(d, state["config"], cfg)
+    _check_settings(d, state["config"], cfg, world, int(state.get("world_size", 1)))
     if fingerprint is not None and state.get("data") not in (None, fingerprint):
         raise TrainError(f"{d}: the checkpoint was made on other training documents (data {cfg.data}, "
                          f"fingerprint {state['data']} vs now {fingerprint}): resume with the run's data, "
@@ -436,11 +440,25 @@ def read_checkpoint(out_dir, cfg, fingerprint=None) -> tuple:
     return state, t
 
 
-def _check_settings(d, saved, cfg):
+def _check_settings(d, saved, cfg, world=1, saved_world=1):
     """TrainError when the checkpoint in d was made with other RESUME_KEYS settings than cfg's (a
-    key that checkpoints of earlier versions lack counts as its default)."""
+    key that checkpoints of earlier versions lack counts as its default). Under another world size
+    grad_accum may differ as long as world x grad_accum is the same (the global micro-batch stream
+    then maps exactly: runtime/dist.py)."""
     now = asdict(cfg)
-    diff = [k for k in RESUME_KEYS if saved.get(k, ADDED_KEYS.get(k)) != now.get(k)]
+    keys = RESUME_KEYS
+    if world != saved_world:
+        was, per = saved_world * saved.get("grad_accum", 1), world * cfg.grad_accum
+        if was != per:
+            fix = (f"pass --grad-accum {was // world} with these {world} processes, or resume with {saved_world}"
+                   if was % world == 0 else f"resume with {saved_world} processes (or a number that divides {was}, "
+                   f"with --grad-accum {was} divided by it)")
+            raise TrainError(f"{d}: the checkpoint was made by {saved_world} process(es) x --grad-accum "
+                             f"{saved.get('grad_accum', 1)} = {was} micro-batches a step, this run is {world} x "
+                             f"{cfg.grad_accum} = {per}: its data position maps exactly only onto {was} micro-batches "
+                             f"a step: {fix}")
+        keys = tuple(k for k in RESUME_KEYS if k != "grad_accum")
+    diff = [k for k in keys if saved.get(k, ADDED_KEYS.get(k)) != now.get(k)]
     if diff:
         shown = ", ".join(f"{k}: checkpoint {saved.get(k, ADDED_KEYS.get(k))!r} vs now {now.get(k)!r}" for k in diff)
         raise TrainError(f"{d}: the checkpoint was made with other settings ({shown}): pass the same "
@@ -478,8 +496,9 @@ def _py_state_from_json(st):
     return (st[0], tuple(st[1]), st[2])
 
 
-def run_state(cfg, step, epoch, index, lora_steps, fingerprint=None):
-    """state.json of a checkpoint at `step`: data position, dropout counter, RNG states, config."""
+def run_state(cfg, step, epoch, index, lora_steps, fingerprint=None, world=1):
+    """state.json of a checkpoint at `step`: data position (global micro-batches), dropout counter,
+    RNG states, config, and the processes that trained it (world_size)."""
     return {"step": step, "epoch": epoch, "batch_index": index, "lora_steps": lora_steps,
             "python_rng": random.getstate(), "numpy_rng": _np_state_to_json(np.random.get_state()),
-            "config": asdict(cfg), "data": fingerprint}
+            "config": asdict(cfg), "data": fingerprint, "world_size": world}

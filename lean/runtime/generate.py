@@ -23,13 +23,13 @@ import torch
 
 from ..kernels.argmax import argmax_fwd
 from ..kernels.embedding import embedding_fwd
-from ..kernels.gemm import matmul
 from ..kernels.kv_attention import kv_attention_fwd
 from ..kernels.rmsnorm import rmsnorm_fwd
 from ..kernels.rope import rope_fwd, rope_inv_freq, rope_table
 from ..kernels.swiglu import swiglu_fwd
 from ..models.dense import Ctx, _attn_options, proj_fwd
 from ..models.moe import moe_forward
+from .head_host import lm_head_logits
 
 
 def _rope_rows(model, n_rows):
@@ -100,7 +100,7 @@ def _forward_cached(model, lora, ids, P, cache, cos, sin, ctx):
     rmsnorm_fwd(nf, torch.empty(1, dtype=torch.float32, device=s.device), last_s, model.norm, cfg.rms_eps,
                 residual=last_d, h=x)
     logits = torch.empty(1, cfg.vocab, dtype=model.dtype, device=s.device)  # (1, V)
-    matmul(logits, nf, model.lm_head.t())
+    lm_head_logits(logits, nf, model)  # streamed in chunks when the lm_head is on the host
     return logits
 
 

@@ -66,9 +66,17 @@ llama-cpp-python 0.3.36). It takes every tensor at once because llama.cpp's rule
 then by name), out of their total; output.weight's absence makes token_embd "tied" (it then gets
 output's type); ffn_down's layer is the block number, out of n_layer.
 
-Measured (one thread, CPU seconds, AMD EPYC with 2 cores shared at load ~8, numpy 2.3.5, N(0, 0.02)
-  data): 4096 x 4096: Q4_K 5.7 M values/s, Q6_K 13.2, Q8_0 93; 14336 x 4096: Q4_K 7.2, Q6_K 10.6,
-  Q8_0 87. CHUNK_BLOCKS = 1024 measured best of 64..4096 (Q4_K 9.7 M/s vs 5.5 at 256, 7.5 at 4096).
+Measured (tools/gguf_quant_bench.py at edfbbba: AMD EPYC, 2 cores shared with other jobs at load
+  6-9, numpy 2.3.5; one thread, CPU seconds, N(0, 0.02) float32 rows; ggml = ggml_quantize_chunk of
+  llama-cpp-python 0.3.36 on the same rows, bytes equal in every case):
+    14336 x 4096: Q4_K 8.1 M values/s (ggml 9.5, 1.17x faster), Q6_K 13.5 (23.4), Q8_0 76 (143)
+    4096 x 4096:  Q4_K 6.0 (9.6), Q6_K 13.0 (24.3), Q8_0 99 (168)
+  Llama-3.1-8B's Q4_K_M is 6.50 G values of Q4_K and 1.53 G of Q6_K: 917 CPU s here against ggml's
+  752 (its quantisation alone; llama.cpp's convert_hf_to_gguf pass comes on top). Two threads took
+  the same CPU seconds (7.23 vs 7.27 s at 14336 x 4096): on two idle cores that would be about
+  7.6 min; the wall-clock speed-up itself was not measurable on the loaded machine.
+  Extra host memory per call: about 10 MiB per thread (K-quants), 30 MiB (Q8_0), by tracemalloc.
+  CHUNK_BLOCKS = 1024 measured best of 64..4096 (Q4_K 9.7 M/s vs 5.5 at 256, 7.5 at 4096).
 Tested: tests/test_gguf_quants.py. Everywhere: Q4_K / Q5_K / Q6_K bytes equal a scalar transcription
 of ggml's C on the blocks where plausible wrong ports (float64 or pairwise sums, rounding half
 away) part from it, and on stress blocks; every type decodes through gguf.quants.dequantize to
@@ -76,7 +84,8 @@ lean's dequantize bit for bit; each K-quant value sits on its stored grid's near
 within half a step; RMS error on Gaussian data; the Q4_K_M rules on hand-written model layouts.
 Where llama_cpp imports: every type's bytes equal ggml_quantize_chunk's on rows of 576..14336, and
 lean's Q4_K_M of four small F16 GGUF files (K-quants; 96 and 80 columns: the Q5_0 / Q8_0 / F16
-fallbacks; an 8-expert qwen3moe) equals llama_model_quantize's tensor for tensor, types and bytes.
+fallbacks; an 8-expert qwen3moe) and of the real SmolLM2-135M (272 tensors) equals
+llama_model_quantize's tensor for tensor, types and bytes.
 Cautions:
   - Non-finite input is refused (ggml writes undefined bytes for it).
   - The bytes are ggml's as its x86-64 build computes them (ggml-base is compiled with no -march, so
@@ -161,7 +170,7 @@ def _make_qkx2_quants(x, nmax):
     x_min, mx = x.min(axis=0), x.max(axis=0)
     mn = np.minimum(x_min, F32(0))
     sum_w, sum_x = _sum(w), _sum(np.multiply(w, x, out=t))
-    flat = mx == mn
+    flat = mx == mn  # every x equals mn: ggml returns at once; here each trial's L is 0, D = 0, no update
     one = F32(1)
     iscale = F32(nmax) / np.where(flat, one, mx - mn)
     scale = one / iscale
@@ -401,6 +410,10 @@ def row_bytes(cols, qtype):
     return cols // block * size
 
 
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def quantize(x, qtype, threads=None):
     """(..., C) float32 or float16 -> (..., row_bytes(C, qtype)) uint8 in ggml's layout, C % block == 0.
 
@@ -438,7 +451,7 @@ def quantize(x, qtype, threads=None):
         out[r0:r0 + len(chunk)] = enc.reshape(len(chunk), -1)
 
     starts = range(0, rows.shape[0], step)
-    threads = min(threads or min(8, len(os.sched_getaffinity(0))), len(starts))
+    threads = min(threads or min(8, _cpus()), len(starts))
     if threads <= 1:
         for r0 in starts:
             encode(r0)

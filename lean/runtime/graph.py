@@ -22,6 +22,14 @@ The loss is read from the graph's output after each replay (a device tensor, clo
 Equal to the eager step (lora.zero_grad(); forward_backward; opt.step()) on the same fixed-shape
 batches bit for bit: loss, LoRA gradients, parameters and moments (tests/test_graph.py, GPU).
 
+Data parallel (reducer=, a dist.GradReducer): the capture holds the gradient's bucketed all-reduce
+too (each bucket's NCCL all-reduce launched as its lowest layer's backward finishes, every bucket
+waited on before AdamW), so a replay is the whole data-parallel step; `step(batch, n_targets=)`
+normalises by the targets of every rank's batch. torch captures NCCL collectives issued on the
+capture stream (ProcessGroupNCCL records them into the graph; the warm-up, run first on every rank,
+creates the communicator outside the capture). Not run yet on several GPUs: tests/test_dist_gpu.py
+holds the check, and lean-train falls back to the eager step, saying why, if a capture fails.
+
 Errors (StepGraphError): LoRA dropout > 0 (the dropout seed is a host int baked into the captured
 launches, so every replay would draw the same masks: use dropout=0 or the eager step), a model or
 LoRA not on a CUDA device, an optimizer over another LoRA, a batch packed with other shapes.
@@ -43,6 +51,7 @@ import torch
 
 from ..kernels.gemm import tma_at_every_size
 from .batch import Batch, PinnedUpload, pack
+from .offload import gather_of
 from .step import forward_backward
 
 
@@ -83,9 +92,9 @@ def _static_batch(flat, T, D):
 class StepGraph:
     """One captured LoRA step (see the module docstring). step(batch, lr) replays it."""
 
-    def __init__(self, model, lora, opt, budget, max_docs, plan=None):
+    def __init__(self, model, lora, opt, budget, max_docs, plan=None, reducer=None):
         _check_setup(model, lora, opt, budget, max_docs, plan)
-        self.model, self.lora, self.opt, self.plan = model, lora, opt, plan
+        self.model, self.lora, self.opt, self.plan, self.reducer = model, lora, opt, plan, reducer
         self.budget, self.max_docs = budget, max_docs
         dev = lora.params.device
         self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
@@ -104,10 +113,22 @@ class StepGraph:
         return pack(docs, self.budget, pad_to=self.budget, max_docs=self.max_docs, device="cpu", vocab=vocab)
 
     def _run(self):
-        """The step as captured. Nothing here reads a host value that changes from step to step."""
+        """The step as captured. Nothing here reads a host value that changes from step to step.
+        Sharded weights: every layer's gather is captured (none is taken as still held)."""
+        gather = gather_of(self.model)
+        if gather is not None:
+            gather.held.clear()
         self.lora.zero_grad()
-        loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
-                                   plan=self.plan)
+        if self.reducer is None:
+            loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
+                                       plan=self.plan)
+        else:  # data parallel: the buckets' all-reduces go into the graph with the backward
+            self.reducer.begin()
+            try:
+                loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
+                                           plan=self.plan, reducer=self.reducer)
+            finally:  # a warm-up that raised still issues every bucket, as the other ranks do
+                self.reducer.finish()
         self.opt.update()
         return loss
 
@@ -146,13 +167,18 @@ class StepGraph:
                 f"max_seqlen {batch.max_seqlen}; this StepGraph was captured for {T} tokens and {D} slots: "
                 f"pack it with graph.pack(docs) or lean.pack(docs, {T}, pad_to={T}, max_docs={D})")
 
-    def step(self, batch, lr=None):
+    def step(self, batch, lr=None, n_targets=None):
         """One optimizer step on `batch` (from self.pack). Returns (loss_sum, n_targets) like
-        forward_backward: loss_sum a (1,) fp32 device tensor, n_targets a host int. No host sync."""
+        forward_backward: loss_sum a (1,) fp32 device tensor, n_targets a host int. No host sync.
+        n_targets: the loss normalisation's target count (data parallel: every rank's; default the
+        batch's own)."""
         self._check_batch(batch)
         self._ints.write(batch.host)  # one H2D copy of the descriptor, into the static buffer
-        self._scale.write(1.0 / max(batch.n_targets, 1))
+        self._scale.write(1.0 / max(batch.n_targets if n_targets is None else n_targets, 1))
         self.opt.begin_step(lr)
         self.lora.next_seed()  # count the step as the eager forward_backward does (checkpoints)
         self._graph.replay()
+        gather = gather_of(self.model)
+        if gather is not None:  # which layer a gather buffer holds is the replay's business now
+            gather.held.clear()
         return self._loss.clone(), batch.n_targets  # clone: the next replay rewrites _loss

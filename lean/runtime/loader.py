@@ -15,7 +15,7 @@ import torch
 from ..kernels.arch import arch
 from ..models.config import UnsupportedModelError, config_from_hf
 from ..kernels.nf4 import Nf4, nf4_quantize
-from ..models.weights import IGNORED_SUFFIXES, PROJECTIONS, empty_model, expert_aliases
+from ..models.weights import IGNORED_SUFFIXES, PROJECTIONS, empty_model, expert_aliases, nf4_projections
 
 # What a training run needs from a hub repository: config, weights, tokenizer and chat template.
 HUB_PATTERNS = [
@@ -134,13 +134,13 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None, quant=None):
                 if name in handle.keys():
                     return handle.get_tensor(name)
 
-    return _fill(_stored_as(cfg, names, quant, read), tensors(), dtype, device, str(model_dir))
+    return _fill(_stored_as(cfg, names, quant, read), tensors(), dtype, device, str(model_dir), names)
 
 
 def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None, quant=None):
     """A lean Model from a config.json dict and HF-named tensors already in memory."""
     cfg = _stored_as(config_from_hf(config), list(tensors), quant, tensors.get)
-    return _fill(cfg, ((k, (lambda t=t: t), "tensors") for k, t in tensors.items()), dtype, device, "")
+    return _fill(cfg, ((k, (lambda t=t: t), "tensors") for k, t in tensors.items()), dtype, device, "", list(tensors))
 
 
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
@@ -165,28 +165,48 @@ def _nf4_config(cfg, names, quant, read):
         raise ModelLoadError("this checkpoint holds bitsandbytes FP4 weights; lean reads NF4 only: load the "
                              "bf16 model with --load-in-4bit (quant='nf4') instead")
     states = [n for n in names if n.endswith(NF4_STATE)]
-    if not states and quant is None:
+    stored = _nf4_modules(names)  # the modules the checkpoint holds in bitsandbytes' NF4 layout
+    if not stored and quant is None:
         return cfg
     block, dense = 64, ()
-    if states:  # pre-quantised: the blocksize from the file; projections stored without a state stay dense
+    if stored:  # pre-quantised: the blocksize from the file; projections stored without NF4 parts stay dense
+        held = {m for li in range(cfg.n_layers)
+                for _, m, _ in nf4_projections(dataclasses.replace(cfg, weight_quant="nf4", quant_dense=()), li)}
+        other = sorted(stored - held)
+        if other:
+            more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+            raise ModelLoadError(f"{other[0]}{more} is stored in NF4, but lean reads NF4 only for the attention and "
+                                 "dense-MLP projections: load the bf16 model with --load-in-4bit (quant='nf4')")
+        if not states:
+            raise ModelLoadError(f"{min(stored)}.weight{NF4_STATE} is missing (the checkpoint holds NF4 parts but "
+                                 "no quant state): re-download the model")
         state = _quant_state(read(states[0]), "checkpoint", states[0])
         block = int(state.get("blocksize", 0))
         if "nested_offset" not in state:
             raise ModelLoadError(f"{states[0]}: quantised without double quantisation (bnb_4bit_use_double_quant "
                                  "false); lean holds NF4 with double quantisation only: load the bf16 model with "
                                  "--load-in-4bit (quant='nf4') instead")
-        have = {n[:-len(".weight" + NF4_STATE)] for n in states}
         dense = tuple(f"model.layers.{li}.{m}" for li in range(cfg.n_layers) for _, m in PROJECTIONS
-                      if f"model.layers.{li}.{m}" not in have and f"model.layers.{li}.{m}.weight" in names)
+                      if f"model.layers.{li}.{m}" not in stored and f"model.layers.{li}.{m}.weight" in names)
     if block not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         raise ModelLoadError(f"{states[0]}: NF4 blocksize {block} is not one of bitsandbytes' (32 .. 4096)")
     dense_mlp = any(not cfg.is_moe(li) for li in range(cfg.n_layers))  # an MoE layer's MLP stays unquantised
     sizes = [cfg.hidden, cfg.q_dim] + [cfg.intermediate] * dense_mlp
     if any(n % block for n in sizes):
-        raise ModelLoadError(f"NF4 blocks of {block} must divide every projection's input width (hidden "
-                             f"{cfg.hidden}, intermediate {cfg.intermediate}, heads x head_dim {cfg.q_dim}): "
+        widths = f"(hidden {cfg.hidden}, intermediate {cfg.intermediate}, heads x head_dim {cfg.q_dim})"
+        if stored:
+            raise ModelLoadError(f"{states[0]}: this checkpoint's NF4 blocks of {block} do not divide every "
+                                 f"projection's input width {widths}, and lean holds NF4 only where each block "
+                                 "lies in one row: load the bf16 model instead")
+        raise ModelLoadError(f"NF4 blocks of {block} must divide every projection's input width {widths}: "
                              "this model cannot be held in NF4; load it without 4-bit")
     return dataclasses.replace(cfg, weight_quant="nf4", quant_block=block, quant_dense=dense)
+
+
+def _nf4_modules(names):
+    """The modules whose weight a checkpoint holds in bitsandbytes' NF4 layout: any of its parts named."""
+    suffixes = tuple(".weight" + s for s, _ in NF4_PARTS)
+    return {n[:-len(s)] for n in names for s in suffixes if n.endswith(s)}
 
 
 def _stored_as(cfg, names, quant=None, read=None):
@@ -204,8 +224,9 @@ def _stored_as(cfg, names, quant=None, read=None):
     return dataclasses.replace(cfg, expert_quant="mxfp4" if mx else "")
 
 
-def _fill(cfg, named, dtype, device, path):
-    """Copy (name, get_tensor, source) items into a fresh model through the name map."""
+def _fill(cfg, named, dtype, device, path, names=()):
+    """Copy (name, get_tensor, source) items into a fresh model through the name map (names: every
+    tensor name the items hold, for the NF4 weights stored with a quant state)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     arch(torch.device(device))  # a GPU lean cannot run on is refused here, before any weight moves
@@ -219,6 +240,7 @@ def _fill(cfg, named, dtype, device, path):
             targets[name], parts[name] = view, fused
     n_parts = Counter(parts.values())
     nf4_parts = {w + suffix: (w, part) for w, t in targets.items() if isinstance(t, Nf4) for suffix, part in NF4_PARTS}
+    with_state = {n[:-len(NF4_STATE)] for n in names if n.endswith(NF4_STATE)}  # weights stored as packed NF4
     stored_nf4 = set()  # NF4 weights read as stored (their parts then required)
     seen, unexpected = set(), []
     for name, get, src in named:
@@ -234,7 +256,7 @@ def _fill(cfg, named, dtype, device, path):
             continue
         t = _get(get, src, name)
         if isinstance(dst, Nf4):
-            if _load_nf4(dst, t, dtype, src, name):
+            if _load_nf4(dst, t, dtype, src, name, name in with_state):
                 stored_nf4.add(name)
             seen.add(name)
             continue
@@ -270,10 +292,18 @@ def _get(get, src, name):
                              "truncated: download it again") from e
 
 
-def _load_nf4(q: Nf4, t, dtype, src, name):
+def _load_nf4(q: Nf4, t, dtype, src, name, packed=False):
     """Fill NF4 weight q from checkpoint tensor t: bitsandbytes' packed bytes (True: its parts must
-    follow), or a float weight (O, K), cast to the model dtype and quantised here (False)."""
+    follow), or a float weight (O, K), cast to the model dtype and quantised here (False). packed: t
+    has a quant state beside it, so it is the packed bytes in whatever dtype it is stored as
+    (bnb_4bit_quant_storage, bfloat16 in FSDP-QLoRA's checkpoints: (O*K/4, 1))."""
     O, K = q.shape
+    if packed and t.dtype != torch.uint8:
+        if t.numel() * t.element_size() != O * K // 2:
+            raise ModelLoadError(f"{src}: tensor {name} is {t.dtype} {tuple(t.shape)} beside an NF4 quant state, not "
+                                 f"the {O * K // 2} packed bytes of ({O}, {K}) in a bnb_4bit_quant_storage dtype: "
+                                 "the weights do not match the config")
+        t = t.reshape(-1).view(torch.uint8)  # the packed bytes as stored (bnb_4bit_quant_storage)
     if t.dtype == torch.uint8:
         if t.numel() != O * K // 2:
             raise ModelLoadError(f"{src}: tensor {name} holds {t.numel()} packed bytes, but config.json implies "

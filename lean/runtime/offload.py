@@ -28,15 +28,30 @@ Every cross-stream dependency is an event: no host sync, and the calls capture i
 (every copy-stream op is waited on by the compute stream before the step ends; events are only
 waited on within the step that recorded them).
 
+Sharded weights (runtime/shard.py, --shard-weights): one more kind of copy, the all-gather of a
+layer's frozen buffers from the ranks' shards (Gather, one per model, shared by every pass over it):
+    weights(li, ahead)  before layer li's forward, and again before its backward (its rebuild too):
+                        returns li's full weights, gathered (waiting for its all-gather), and
+                        issues the all-gather of layer `ahead` (forward li+1, backward li-1), so it
+                        runs under layer li's compute
+The full layers rotate through two buffers per kind of layer: consecutive layers of a kind
+alternate. A gather into a buffer is issued after every launch of the layer that read it last
+(the host's order), and ProcessGroupNCCL's stream waits on the issuing stream at that point: the
+event between them is the collective's own. A layer still held needs no gather (the backward
+starts with the last two layers the forward gathered). On the CPU gloo runs the gather on its own
+thread. A pass without a plan (evaluation) gets a scheduler of the gathers alone.
+
 On a CPU device there are no streams: the same calls copy synchronously (the CI variant; it runs
-the same slot and buffer bookkeeping).
+the same slot and buffer bookkeeping, and holds the offloaded rows until retire as the GPU does, so
+the planner's walk equals the CPU step's allocations in every mode).
 
 measure_rates() times the pinned link (each direction) and a layer-sized GEMM once, before the
 plan: the planner prices copies and recomputes with them (plan.Rates).
 
 Tested: tests/test_offload.py: CPU, NaN-poisoned buffers, gradients equal to keeping everything bit
 for bit; GPU (H100): the same with these streams, under sync_debug_mode("error"), and inside a
-captured CUDA graph.
+captured CUDA graph. The gathers: tests/test_dist.py (CPU, gloo, sharded == unsharded) and
+tests/test_dist_gpu.py (2 GPUs, written, not run yet).
 Errors: OffloadError when a batch holds more tokens than the plan was made for, or the plan was
 made for another model shape.
 Caution: the scheduler belongs to one model and plan (scheduler() caches it on model.cache);
@@ -52,19 +67,20 @@ class OffloadError(ValueError):
 
 
 class Offloader:
-    def __init__(self, plan, dtype, device):
+    def __init__(self, plan, dtype, device, gather=None):
         device = torch.device(device)
-        self.layers = plan.offloaded
+        self.gather = gather  # the model's Gather (sharded weights), or None
+        self.layers = plan.offloaded if plan is not None else ()
         self.slot = {li: j for j, li in enumerate(self.layers)}
         ups = [li for li in self.layers if plan.policy(li, "up") == "offload" and not plan.cfg.is_moe(li)]
         self.up_slot = {li: j for j, li in enumerate(ups)}
-        self.max_tokens = plan.n_tokens
+        self.max_tokens = plan.n_tokens if plan is not None else float("inf")
         self.on_gpu = device.type == "cuda"
-        N, C, F = plan.n_tokens, plan.cfg.hidden, plan.cfg.intermediate
+        N, C, F = (plan.n_tokens, plan.cfg.hidden, plan.cfg.intermediate) if self.layers else (0, 0, 0)
         pin = dict(dtype=dtype, pin_memory=self.on_gpu)
         self.host = torch.empty(len(self.layers), N, C, **pin)  # (L_off, N, C)
         self.host_up = torch.empty(len(ups), N, F, **pin)  # (L_up, N, F)
-        self.reload = [torch.empty(N, C, dtype=dtype, device=device) for _ in range(2)]  # 2 x (N, C)
+        self.reload = [torch.empty(N, C, dtype=dtype, device=device) for _ in range(2 if self.layers else 0)]  # 2 x (N, C)
         self.reload_up = [torch.empty(N, F, dtype=dtype, device=device) for _ in range(2 if ups else 0)]
         self.n = N
         self._held = {}  # li -> (x, up), their D2H copy in flight
@@ -98,9 +114,10 @@ class Offloader:
     def offload(self, li, x, up=None):
         """Forward, after layer li: its input x (N, C), and up (N, F) in offload_up, -> pinned host slots."""
         rows = [x] + ([up] if li in self.up_slot else [])
-        if not self.on_gpu:
+        if not self.on_gpu:  # synchronous; the rows are still held until retire, as on the GPU
             for (dst, _), src in zip(self._pairs(li), rows):
                 dst.copy_(src)
+            self._held[li] = rows
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream())  # x, up are written
         with torch.cuda.stream(self.copy_stream):
@@ -112,7 +129,7 @@ class Offloader:
     def retire(self, li):
         """Forward, a layer later: the compute stream waits for li's copy; its rows' memory is let go."""
         rows = self._held.pop(li, None)
-        if rows is not None:
+        if rows is not None and self.on_gpu:
             torch.cuda.current_stream().wait_event(self.copied[li])
 
     def prefetch(self, li):
@@ -143,52 +160,157 @@ class Offloader:
             self.freed[b].record(torch.cuda.current_stream())
         self._freed_this_step[b] = True
 
+    def weights(self, li, ahead=None):
+        """Sharded weights: layer li's full weights; the all-gather of layer `ahead` is issued."""
+        return self.gather.weights(li, ahead)
+
+
+class Gather:
+    """The all-gather of a sharded model's layers (see the module docstring; runtime/shard.py)."""
+
+    def __init__(self, model):
+        from ..models.weights import Layer, layer_fields, nf4_projections
+        from .shard import padded
+
+        cfg, world = model.config, model.shard.world
+        self.model, self.L, self.dist = model, cfg.n_layers, model.shard.dist
+        self.full, self.slot, self.held, self.works = {}, {}, {}, {}
+        self.calls = 0  # weights() calls since begin_step(): how far a step's passes got
+        count = {}
+        for li in range(cfg.n_layers):
+            kind = (cfg.is_moe(li), tuple(f for f, _, _ in layer_fields(cfg, li)),
+                    tuple(t for t, _, _ in nf4_projections(cfg, li)))
+            j = count.get(kind, 0)
+            count[kind] = j + 1
+            self.slot[li] = (kind, j % 2)  # consecutive layers of a kind alternate
+            if self.slot[li] not in self.full:
+                sh = model.layers[li]
+                buf = torch.empty(padded(sh.numel, world), dtype=model.dtype, device=model.device)  # (N*S,)
+                qbuf = torch.empty(padded(sh.qnumel, world), dtype=torch.uint8, device=model.device)  # (N*Sq,)
+                self.full[self.slot[li]] = (Layer(cfg, model.dtype, model.device, li, buf=buf, qbuf=qbuf), buf, qbuf)
+
+    def begin_step(self):
+        self.calls = 0
+
+    def complete(self, passes, reducer=None, backward=True):
+        """After an error on this rank mid-step: the rest of the step's collectives, issued as its
+        passes would have issued them (every pass's gathers in order; in the last pass's backward,
+        the reducer's buckets after their layers), so that no other rank waits in a collective.
+        passes: the step's micro-batches (forward and backward each) or forward-only passes."""
+        seq = []
+        for p in range(passes):
+            seq += [(li, li + 1, False) for li in range(self.L)]
+            if backward:
+                seq += [(li, li - 1, reducer is not None and p == passes - 1) for li in reversed(range(self.L))]
+        done = self.calls
+        if done and seq[done - 1][2]:  # the layer whose backward raised may have launched its bucket or not
+            reducer.layer_done(seq[done - 1][0])
+        for li, ahead, tell in seq[done:]:
+            self.weights(li, ahead)
+            if tell:
+                reducer.layer_done(li)
+
+    def weights(self, li, ahead=None):
+        self.calls += 1
+        self._start(li)
+        try:
+            for w in self.works.pop(li, ()):
+                w.wait()  # a GPU: the compute stream waits for the all-gather's stream (no host sync)
+        except RuntimeError as e:  # a rank died or stopped answering
+            raise self.dist.lost(e, "the weights' all-gather") from e
+        if ahead is not None and 0 <= ahead < self.L:
+            self._start(ahead)
+        return self.full[self.slot[li]][0]
+
+    def _start(self, li):
+        import torch.distributed as dist
+
+        key = self.slot[li]
+        if self.held.get(key) == li:  # gathered, or its gather is in flight
+            return
+        self.held[key] = li
+        _, buf, qbuf = self.full[key]
+        sh = self.model.layers[li]
+        try:
+            works = [dist.all_gather_single(buf, sh.buf, async_op=True)]
+            if sh.qbuf.numel():
+                works.append(dist.all_gather_single(qbuf, sh.qbuf, async_op=True))
+        except RuntimeError as e:
+            raise self.dist.lost(e, "the weights' all-gather") from e
+        self.works[li] = works
+
+
+def gather_of(model):
+    """A sharded model's Gather (built once, kept on model.cache); None for whole weights."""
+    if getattr(model, "shard", None) is None:
+        return None
+    gather = model.cache.get("gather")
+    if gather is None:
+        gather = model.cache["gather"] = Gather(model)
+    return gather
+
 
 def scheduler(model, plan, n_tokens):
     """The Offloader for (model, plan), built on first use and cached on the model, begun for a step
-    of n_tokens; None when the plan offloads nothing."""
-    if plan is None:
+    of n_tokens; None when the plan offloads nothing and the weights are whole. A sharded model's
+    scheduler always exists (plan None: the gathers alone, for a pass without a plan)."""
+    sharded = getattr(model, "shard", None) is not None
+    if plan is None and not sharded:
         return None
     cfg = model.config
-    if len(plan.modes) != cfg.n_layers or plan.cfg.hidden != cfg.hidden:
+    if plan is not None and (len(plan.modes) != cfg.n_layers or plan.cfg.hidden != cfg.hidden):
         raise OffloadError(f"the activation plan is for {len(plan.modes)} layers of hidden size {plan.cfg.hidden}, "
                            f"the model has {cfg.n_layers} of {cfg.hidden}: make it for this model (plan_for)")
-    if not plan.offloaded:
+    if not sharded and not plan.offloaded:
         return None
-    key = (plan.modes, plan.n_tokens, plan.cfg.hidden)
-    cached = model.cache.get("offload")
+    gather = gather_of(model)
+    key = (plan.modes, plan.n_tokens, plan.cfg.hidden) if plan is not None and plan.offloaded else None
+    slot = "offload" if key is not None else "offload:gather"  # a pass without offloads keeps the step's
+    cached = model.cache.get(slot)
     if cached is None or cached[0] != key:
-        cached = (key, Offloader(plan, model.dtype, model.device))
-        model.cache["offload"] = cached
+        cached = (key, Offloader(plan if key is not None else None, model.dtype, model.device, gather))
+        model.cache[slot] = cached
     sched = cached[1]
     sched.begin(n_tokens)
     return sched
 
 
+def rate_weight(model, layers=None):
+    """The weight (<= F, C) in the model dtype that measure_rates times lean's GEMM on: the model's own
+    values (no zeros), a dense layer's gate (F, C), or where every layer is an MoE layer, F rows of
+    layer 0's expert gate_up (E*2Fe, C), or of its q (Oq, C) when the experts are MXFP4 pairs. An Nf4
+    comes dequantised (a new tensor: the GEMM its scratch path runs), then sliced."""
+    C, F = model.config.hidden, model.config.intermediate
+    layers = layers or model.layers  # sharded weights: layer 0 gathered (measure_rates)
+    w = next((layer.gate for layer in layers if layer.gate is not None), None)  # (F, C)
+    if w is None:
+        gu = layers[0].gate_up
+        w = gu.reshape(-1, C) if isinstance(gu, torch.Tensor) else layers[0].q
+    if isinstance(w, Nf4):
+        w = w.dense(model.dtype)
+    return w[:F]
+
+
 def measure_rates(model, n_tokens, repeats=9):
     """plan.Rates on this GPU, measured once before the plan (a setup-time sync): pinned D2H and
     H2D copies of one (n_tokens, F) activation and lean's GEMM at a layer's gate shape
-    (n_tokens, C) x (C, F), each the fastest of `repeats` after a warm-up (what the link and the
-    GEMM can do; single copies vary by up to ~20% between calls), timed with CUDA events.
-    The GEMM reads the model's own weights (no zeros: a dense layer's gate, or where every layer is
-    an MoE layer, F rows of layer 0's expert gate_up, or of its q when the experts are MXFP4). None
-    on a CPU."""
+    (n_tokens, C) x (C, F) (on rate_weight's weight), each the fastest of `repeats` after a warm-up
+    (what the link and the GEMM can do; single copies vary by up to ~20% between calls), timed with
+    CUDA events. Sharded weights (every rank calls it at once): the GEMM on layer 0 gathered, and
+    `link`, the bytes a rank receives per second in the all-gather of layer 0 (its N-1 other parts).
+    None on a CPU."""
     from ..kernels.gemm import matmul
-    from .plan import Rates
+    from .plan import DEFAULT_RATES, Rates
     if model.device.type != "cuda":
         return None
     cfg = model.config
     N, C, F = min(n_tokens, cfg.vocab), cfg.hidden, cfg.intermediate
     dev = torch.empty(N, F, dtype=model.dtype, device=model.device)  # (N, F)
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
-    w = next((layer.gate for layer in model.layers if layer.gate is not None), None)  # (F, C)
-    if isinstance(w, Nf4):  # an NF4 model: the GEMM its scratch path runs, on the gate dequantised once
-        w = w.dense(model.dtype)
-    if w is None:  # every layer an MoE layer: as many rows of the experts' gate_up (E*2Fe, C), or of
-        gu = model.layers[0].gate_up  # q (Oq, C) where the experts are MXFP4 pairs
-        w = gu.reshape(-1, C)[:F] if isinstance(gu, torch.Tensor) else model.layers[0].q[:F]
+    gather = gather_of(model)
+    w = rate_weight(model, [gather.weights(0)] if gather is not None else None)  # (F, C), or fewer rows
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
-    x = model.lm_head[:N]  # (N, C): real rows, no zeros (on the GPU: an untied embed may be on the host)
+    x = model.lm_head[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the head may be on the host)
 
     def timed(fn):
         fn()  # warm-up (compiles the GEMM)
@@ -206,4 +328,12 @@ def measure_rates(model, n_tokens, repeats=9):
     d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True))
     h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True))
     flops = 2 * N * C * w.shape[0] / timed(lambda: matmul(out, x, w.t()))
-    return Rates(d2h=d2h, h2d=h2d, flops=flops)
+    link = DEFAULT_RATES.link
+    if gather is not None:
+        import torch.distributed as dist
+
+        part, world = model.layers[0].buf, model.shard.world
+        full = torch.empty(part.numel() * world, dtype=part.dtype, device=part.device)  # (N*S,) scratch
+        link = part.numel() * part.element_size() * (world - 1) / timed(
+            lambda: dist.all_gather_single(full, part, async_op=True).wait())
+    return Rates(d2h=d2h, h2d=h2d, flops=flops, link=link)

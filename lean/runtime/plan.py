@@ -71,7 +71,9 @@ one plan, and the scheduler gives MoE layers no up slot.
 
 The planner (lean/runtime/planner.py) picks the modes, and for an untied model whether the frozen
 embedding table lives in pinned host memory (Plan.embed_host: its weights leave the GPU's count,
-its per-step gather is priced by embed_gather_cost); this module prices and sizes a given plan.
+its per-step gather is priced by embed_gather_cost), and whether the lm_head does (Plan.head_host,
+a tied table with it: the loss streams it in chunks, head_host_bytes / head_host_scratch /
+head_host_cost); this module prices and sizes a given plan.
 
 The predicted peak walks the step as lean/runtime/step.py runs it and counts what is really
 allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW moments, the
@@ -138,10 +140,12 @@ class Rates(NamedTuple):
     d2h: float  # pinned device -> host bytes/s (the forward's offloads)
     h2d: float  # pinned host -> device bytes/s (the backward's reloads)
     flops: float  # a layer-sized GEMM's FLOP/s
+    link: float = 100e9  # sharded weights: bytes/s a rank receives in an all-gather of a layer (N-1 parts of N)
 
 
 # An H100 SXM's measured rates (BENCHMARKS.md): the planner's prices when none are measured (CPU).
-DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12)
+# link: assumed (NCCL's all-gather over NVLink), not measured yet; measure_rates measures it on the GPUs.
+DEFAULT_RATES = Rates(d2h=50e9, h2d=50e9, flops=600e12, link=100e9)
 
 
 class PlanError(ValueError):
@@ -322,14 +326,16 @@ def _proj_dims(cfg, t):
 
 def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
     """An NF4 model's projection dequantised for one GEMM (kernels/lora_linear._nf4_scratch), on the
-    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K), counted at
-    every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
+    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K) of the
+    projections held in NF4 (models/weights.nf4_projections: an MoE layer's q, k, v, o only),
+    counted at every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
     if cfg.weight_quant != "nf4":
         return 0
     from ..kernels.nf4 import nf4_fused
+    from ..models.weights import nf4_projections
 
-    sizes = [O * K for K, O in (_proj_dims(cfg, t) for t in TARGETS) if not nf4_fused(n_tokens, K, O)]
-    return max(sizes, default=0) * act_bytes
+    shapes = {s for li in range(cfg.n_layers) for _, _, s in nf4_projections(cfg, li)}  # (O, K)
+    return max((O * K for O, K in shapes if not nf4_fused(n_tokens, K, O)), default=0) * act_bytes
 
 
 def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
@@ -379,6 +385,33 @@ def linear_ce_scratch(N, V, C, act_bytes):
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
+def head_host_bytes(cfg, act_bytes):
+    """The lm_head's two chunk buffers on the GPU when it lives on the host (head_host.HostHead)."""
+    from .head_host import chunk_rows
+    return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes) * cfg.hidden * act_bytes
+
+
+def head_host_scratch(N, V, C, act_bytes):
+    """linear_ce_vchunk's allocations with the head on the host: the (N, Vc) logits chunk, m, s, x_t
+    and the row losses (N,) fp32, dh's fp32 accumulator (N, C) unless fp32, and the largest split-K
+    workspace of its chunk GEMMs (logits (N, Vc) over C, dh (N, C) over Vc)."""
+    from .head_host import chunk_rows
+    Vc = chunk_rows(V, C, act_bytes)
+    ws = max(splitk_workspace_bytes(N, Vc, C, act_bytes), splitk_workspace_bytes(N, C, Vc, act_bytes))
+    return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
+
+
+def head_host_cost(cfg, n_tokens, act_bytes, rates):
+    """Seconds the streamed head adds to a step: its 2n - 2 chunk copies over the link, less the three
+    lm_head GEMMs they hide under (two when the head is on the GPU: the third is added)."""
+    from .head_host import chunk_rows
+    V, C = cfg.vocab, cfg.hidden
+    Vc = chunk_rows(V, C, act_bytes)
+    n = -(-V // Vc)
+    gemm = 2 * n_tokens * V * C / rates.flops
+    return gemm + max(0.0, (2 * n - 2) * Vc * C * act_bytes / rates.h2d - 3 * gemm)
+
+
 def moe_step_bytes(cfg):
     """An MoE model's per-step buffers (step.moe_step): counts (E,) fp32, and with the aux loss on
     prob_sum, aux_grad (E,) fp32 and aux (1,) fp32. Each step makes them anew and model.cache
@@ -411,11 +444,12 @@ def moe_scratch(cfg, n_tokens, act_bytes):
 
 class Memory(NamedTuple):
     """Predicted device bytes, by part; peak = their sum."""
-    weights: int  # frozen model tensors
+    weights: int  # frozen model tensors (sharded weights: this rank's parts of the layers)
     lora: int  # LoRA params, grads, compute copy, AdamW moments
     constants: int  # batch descriptor, RoPE tables
     reload: int  # the offload scheduler's two (N, C) reload buffers (and two (N, F) with offload_up)
     activations: int  # the step's own high-water mark above all of the above
+    gather: int = 0  # sharded weights: the two rotating full layers of each kind (offload.Gather)
 
     @property
     def peak(self):
@@ -506,9 +540,10 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
                  mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0):
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
     """The step's activation bytes moment by moment, as step.py, dense.py and moe.py allocate and
-    free them; returns (high-water bytes, the moment it happens). Without LoRA dropout the waiting dA of
+    free them; returns (high-water bytes, the moment it happens). head_host: the loss streams the
+    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's). Without LoRA dropout the waiting dA of
     projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist.
     Each layer is priced as its kind (dense or MoE: cfg.is_moe) with its own LoRA targets."""
     N, C, V = n_tokens, cfg.hidden, cfg.vocab
@@ -546,7 +581,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
     s_d = xb + (0 if last == KEEP else xb)
     at("final norm", held + kind(len(modes) - 1).sent[last] + s_d + final)
     loss = 2 * 4
-    ce = linear_ce_scratch(N, V, C, act_bytes) + 4  # + the (1,) fp32 grad_scale it makes from a number
+    ce = (head_host_scratch if head_host else linear_ce_scratch)(N, V, C, act_bytes) + 4  # + the (1,) grad_scale
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
     at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
     base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
@@ -632,7 +667,9 @@ class Plan:
     budget_bytes: Optional[int] = None
     cost: float = 0.0  # predicted seconds over an all-keep step (plan_cost)
     rates: Rates = DEFAULT_RATES  # what the cost was priced with
-    embed_host: bool = False  # the (untied) embedding table lives in pinned host memory
+    embed_host: bool = False  # the embedding table lives in pinned host memory
+    head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
+    world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -661,6 +698,46 @@ class Plan:
         return self._bytes(OFFLOAD)
 
 
+def layer_weight_bytes(cfg, li, act_bytes, world=1):
+    """Bytes of decoder layer li's frozen buffers (weights.Layer: buf in the act dtype, qbuf), each
+    padded to `world` equal parts as sharded weights gather them (runtime/shard.py)."""
+    import torch
+
+    from ..models.weights import Layer
+
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[act_bytes]
+    layer = Layer(cfg, dtype, "meta", li)  # sizes only: nothing is allocated
+    pad = lambda n: -(-n // world) * world  # noqa: E731
+    return pad(layer.buf.numel()) * act_bytes + pad(layer.qbuf.numel())
+
+
+def gather_buffer_bytes(cfg, act_bytes, world):
+    """offload.Gather's rotating full layers: two of each kind of layer (one where a kind has one
+    layer); 0 for whole weights (world 1)."""
+    if world <= 1:
+        return 0
+    kinds = {}
+    for li in range(cfg.n_layers):
+        kinds.setdefault(cfg.is_moe(li), []).append(layer_weight_bytes(cfg, li, act_bytes, world))
+    return sum(min(len(sizes), 2) * max(sizes) for sizes in kinds.values())
+
+
+def gather_cost(cfg, modes, n_tokens, act_bytes, rates, world):
+    """Predicted seconds sharded weights add to a step: each layer's all-gather (the N-1 parts it
+    receives over rates.link) beyond the compute it hides under: the forward's gather of layer
+    li+1 under layer li's forward (layer 0's under nothing), the backward's of layer li-1 under
+    layer li's backward and rebuild (the top two layers are still held). Compute as plan_cost's."""
+    if world <= 1:
+        return 0.0
+    L = cfg.n_layers
+    fwd = [LAYER_OVER_GEMM * sum(layer_flops(cfg, n_tokens, li)) / rates.flops for li in range(L)]
+    attn_up = {KEEP: 0, RECOMPUTE: 3, OFFLOAD: 3, OFFLOAD_UP: 2}  # the rebuild's GEMMs: attention, gate, up
+    rebuild = [sum(layer_flops(cfg, n_tokens, li)[:attn_up[modes[li]]]) / rates.flops for li in range(L)]
+    g = [layer_weight_bytes(cfg, li, act_bytes, world) * (world - 1) / world / rates.link for li in range(L)]
+    cost = g[0] + sum(max(0.0, g[li + 1] - fwd[li]) for li in range(L - 1))
+    return cost + sum(max(0.0, g[li] - fwd[li + 1] - rebuild[li + 1]) for li in range(L - 2))
+
+
 def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
     """Seconds a step's embedding gather takes from a table in pinned host memory: its N rows over
     the link (it runs before layer 0, under no compute)."""
@@ -668,9 +745,13 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
-              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0):
+              optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0,
+              head_host=False, world=1):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
-    tensors on the GPU (without the embedding table when embed_host)."""
+    tensors on the GPU (without the embedding table when embed_host, without the lm_head when
+    head_host: its two chunk buffers are added here; a tied table moves with the head; this rank's
+    parts of the layers when sharded). world > 1: sharded weights, their gather buffers and gathers
+    priced."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -678,14 +759,19 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout)
+    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
+    if head_host:
+        weights_bytes += head_host_bytes(cfg, act_bytes)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
-                 constant_bytes(cfg, n_tokens), reload, act)
-    cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates)
+                 constant_bytes(cfg, n_tokens), reload, act, gather_buffer_bytes(cfg, act_bytes, world))
+    cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather_cost(cfg, modes, n_tokens, act_bytes, rates, world)
+    embed_host = bool(embed_host or (head_host and cfg.tie_embeddings))  # a tied table goes with the head
     if embed_host:
         cost += embed_gather_cost(cfg, n_tokens, act_bytes, rates)
+    if head_host:
+        cost += head_host_cost(cfg, n_tokens, act_bytes, rates)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
-                bool(embed_host))
+                embed_host, bool(head_host), world)

@@ -21,10 +21,12 @@ import os
 from dataclasses import replace
 
 from ..models.weights import embed_to_host
+from .head_host import head_to_host
 from .lora import TARGETS
 from .plan import (
     DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
-    embed_gather_cost, layer_bytes, layer_modes, make_plan, mode_bytes, mode_policy, plan_cost, row_bytes,
+    embed_gather_cost, gather_cost, head_host_bytes, head_host_cost, layer_bytes, layer_modes, make_plan,
+    mode_bytes, mode_policy, plan_cost, row_bytes,
 )
 
 
@@ -40,19 +42,26 @@ def candidates(L):
 
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
-              optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0, lora_dropout=0.0):
+              optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0, lora_dropout=0.0, head_bytes=0,
+              head_on_host=False, world=1):
     """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
     budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
     budget_bytes is None or it fits. embed_bytes: an untied embedding table (part of weights_bytes)
     that may move to pinned host memory (plan.embed_host; its gather priced by embed_gather_cost);
-    0: it stays. Raises PlanError when even offloading every layer's input and recomputing the rest
-    does not fit."""
+    0: it stays. head_bytes: likewise the lm_head (a tied table: the one table), streamed through
+    the loss from the host (plan.head_host; its copies priced by head_host_cost like every other
+    copy). head_on_host: the head is there already (every plan streams it). world > 1: the layers'
+    weights are sharded over that many ranks (weights_bytes counts this rank's parts; the gather
+    buffers and gathers are priced: plan.gather_cost). Raises PlanError when even offloading every
+    layer's input and recomputing the rest does not fit."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
-              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout)
-    on_gpu = lambda eh: dict(weights_bytes=weights_bytes - (embed_bytes if eh else 0), embed_host=eh)  # noqa: E731
+              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world)
+    on_gpu = lambda eh, hh: dict(  # noqa: E731
+        weights_bytes=weights_bytes - (embed_bytes if eh else 0) - (head_bytes if hh and not head_on_host else 0),
+        embed_host=eh, head_host=hh)
     fits = lambda plan: plan.memory.peak + SLACK <= budget_bytes  # noqa: E731
-    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw, **on_gpu(False))
+    keep = make_plan(cfg, n_tokens, (KEEP,) * L, **kw, **on_gpu(False, head_on_host))
     if budget_bytes is None or fits(keep):
         return keep
     # Price every ordered plan, with the embedding table on the GPU or not (arithmetic, no walk),
@@ -71,10 +80,13 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     xb, upb = dense[OFFLOAD], dense[OFFLOAD_UP] - dense[OFFLOAD]  # one (N, C) and one (N, F) reload buffer
     plans = list(dict.fromkeys(layer_modes(cfg, ordered_modes(L, *c)) for c in candidates(L)))
     priced = []
-    for eh in (False, True) if embed_bytes else (False,):
-        moved = embed_bytes if eh else 0
-        fixed = keep.memory.peak - keep.memory.activations - moved
-        gather = embed_gather_cost(cfg, n_tokens, act_bytes, rates) if eh else 0.0
+    heads = (True,) if head_on_host else (False, True) if head_bytes else (False,)
+    for eh, hh in [(eh, hh) for eh in ((False, True) if embed_bytes else (False,)) for hh in heads]:
+        moved = (embed_bytes if eh else 0) + (head_bytes if hh and not head_on_host else 0)
+        buffers = head_host_bytes(cfg, act_bytes) if hh and not head_on_host else 0  # the head's chunks
+        fixed = keep.memory.peak - keep.memory.activations - moved + buffers
+        extra = embed_gather_cost(cfg, n_tokens, act_bytes, rates) if eh or (hh and cfg.tie_embeddings) else 0.0
+        extra += head_host_cost(cfg, n_tokens, act_bytes, rates) if hh else 0.0
         for modes in plans:
             host_bytes = sum(h[m] for h, m in zip(host, modes)) + moved
             if host_budget_bytes is not None and host_bytes > host_budget_bytes:
@@ -83,12 +95,14 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
             bound = fixed + sum(h[m] for h, m in zip(hold, modes)) + 2 * (xb * offloads + upb * ups)
             if bound + SLACK > budget_bytes:
                 continue
-            priced.append((plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather, host_bytes, eh, modes))
-    for _, _, eh, modes in sorted(priced):
-        plan = make_plan(cfg, n_tokens, modes, **kw, **on_gpu(eh))
+            cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather_cost(cfg, modes, n_tokens, act_bytes, rates, world)
+            priced.append((cost + extra, host_bytes, eh, hh, modes))
+    for _, _, eh, hh, modes in sorted(priced):
+        plan = make_plan(cfg, n_tokens, modes, **kw, **on_gpu(eh, hh))
         if fits(plan):
             return plan
-    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw, **on_gpu(bool(embed_bytes)))
+    least = make_plan(cfg, n_tokens, (OFFLOAD,) * L, **kw,
+                      **on_gpu(bool(embed_bytes), bool(head_bytes) or head_on_host))
     host_note = "" if host_budget_bytes is None else (
         f" (pinned host memory allowed: {host_budget_bytes / GiB:.2f} GiB; offloading every input takes "
         f"{least.host_bytes / GiB:.2f})")
@@ -123,12 +137,19 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     """plan_step for a loaded model and its LoRA (what --vram-budget needs): the weights are counted
     from the model's tensors on the GPU; pinned host memory is held to half of this machine's memory;
     rates price the candidates (None: measured here by offload.measure_rates when a budget is given
-    on a GPU, a setup-time sync; DEFAULT_RATES on a CPU). When the plan says so, this moves the
-    untied embedding table to pinned host memory (models/weights.embed_to_host), for good."""
+    on a GPU, or the weights are sharded (every rank measures together), a setup-time sync, once per
+    model and n_tokens: early_plan's measurement serves the plan after it; DEFAULT_RATES on a CPU).
+    When the plan says so, this moves the untied embedding table to pinned host memory
+    (models/weights.embed_to_host), and the lm_head (head_host.head_to_host, a tied table with it),
+    for good. A sharded model (runtime/shard.py) is planned with its gathers: its layers count this
+    rank's parts."""
     on_gpu = model.device.type == "cuda"
-    if rates is None and budget_bytes is not None and on_gpu:
+    world = model.shard.world if getattr(model, "shard", None) is not None else 1
+    if rates is None and (budget_bytes is not None or world > 1) and on_gpu:
         from .offload import measure_rates
-        rates = measure_rates(model, n_tokens)
+        if ("rates", n_tokens) not in model.cache:
+            model.cache["rates", n_tokens] = measure_rates(model, n_tokens)
+        rates = model.cache["rates", n_tokens]
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [b for layer in model.layers for b in (layer.buf, layer.qbuf)]:
         if t.data_ptr() not in seen and t.device.type == model.device.type:
@@ -136,19 +157,26 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
             weights += t.numel() * t.element_size()
     untied = model.embed is not model.lm_head
     table = model.embed.numel() * model.embed.element_size()
+    head = model.lm_head.numel() * model.lm_head.element_size()
     moved = on_gpu and untied and model.embed.device.type == "cpu"  # by an earlier plan_for
+    head_moved = "head" in model.cache  # likewise (head_host.head_to_host; a tied table with it)
     movable = on_gpu and untied and not moved and budget_bytes is not None
+    head_movable = on_gpu and not head_moved and budget_bytes is not None
     r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
     host = host_memory_bytes()
+    on_host = (table if moved else 0) + (head if head_moved else 0)
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
-                     host_budget_bytes=host // 2 - (table if moved else 0) if host else None,
-                     embed_bytes=table if movable else 0, lora_dropout=dropout)
+                     host_budget_bytes=host // 2 - on_host if host else None,
+                     embed_bytes=table if movable else 0, head_bytes=head if head_movable else 0,
+                     head_on_host=head_moved, lora_dropout=dropout, world=world)
     if moved:
         plan = replace(plan, embed_host=True,
                        cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))
-    elif plan.embed_host:
+    elif plan.embed_host and untied:
         embed_to_host(model)
+    if plan.head_host and not head_moved:
+        head_to_host(model)
     return plan
 
 
@@ -157,7 +185,7 @@ def _gib(b):
 
 
 def _parts(mem):
-    return ", ".join(f"{name} {_gib(b)}" for name, b in zip(Memory._fields, mem))
+    return ", ".join(f"{name} {_gib(b)}" for name, b in zip(Memory._fields, mem) if b or name != "gather")
 
 
 def _spans(modes):
@@ -203,12 +231,23 @@ def format_plan(plan):
         table = cfg.vocab * cfg.hidden * plan.act_bytes
         out.append(f"embedding table: pinned host memory ({_gib(table)} off the GPU; the gather reads the batch's "
                    f"rows over the link, {N * cfg.hidden * plan.act_bytes / 2**20:.0f} MiB a step)")
+    if plan.head_host:
+        from .head_host import chunk_rows
+        head, Vc = cfg.vocab * cfg.hidden * plan.act_bytes, chunk_rows(cfg.vocab, cfg.hidden, plan.act_bytes)
+        out.append(f"lm_head: pinned host memory ({_gib(head)} off the GPU; the loss streams it through two "
+                   f"{Vc}-row chunk buffers, {(2 * -(-cfg.vocab // Vc) - 2) * Vc * cfg.hidden * plan.act_bytes / 2**30:.2f} "
+                   f"GiB over the link a step)")
     out.append(f"saved per kept layer {full}; kept on the GPU after the forward "
                f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
+    if plan.world > 1:
+        out.append(f"sharded weights over {plan.world} ranks: this rank holds 1/{plan.world} of every layer; two "
+                   f"rotating full layers of each kind take {_gib(plan.memory.gather)}; each layer is all-gathered "
+                   f"one layer ahead, forward and backward, at {plan.rates.link / 1e9:.0f} GB/s"
+                   f"{' (assumed)' if plan.rates.link == DEFAULT_RATES.link else ''}")
     out.append(f"predicted peak {_gib(plan.memory.peak)} = {_parts(plan.memory)}; at {plan.peak_at}")
     if plan.cost:
         r = plan.rates
         out.append(f"predicted cost over keeping everything: {plan.cost * 1e3:.1f} ms a step (rebuild GEMMs, "
-                   f"copies not hidden), priced at D2H {r.d2h / 1e9:.1f} GB/s, H2D {r.h2d / 1e9:.1f} GB/s, "
+                   f"copies{' and gathers' if plan.world > 1 else ''} not hidden), priced at D2H {r.d2h / 1e9:.1f} GB/s, H2D {r.h2d / 1e9:.1f} GB/s, "
                    f"GEMM {r.flops / 1e12:.0f} TFLOP/s{' (defaults)' if r == DEFAULT_RATES else ''}")
     return "\n".join(out)

@@ -2,9 +2,10 @@
 
     check_config(cfg)          # ConfigError naming the flag, the value and what is allowed
     RANGES["lr"].text          # "a number in (0, 1]": the same words in --help and in the error
+    check_export_gguf("Q4_K_M")  # --export-gguf's type, or ConfigError naming the types written
 
-check_export_gguf: lean-train --export-gguf's type. Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
---steps, the LoRA targets, --dtype and --device against this machine, --resume with --overwrite,
+Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
+--steps, --shard-weights with --load-in-4bit (refused), the LoRA targets, --dtype and --device against this machine, --resume with --overwrite,
 empty --out/--model/--data/--sample-prompt, that --model and --data paths that look local exist
 (a hub id is fetched later), and an --out that is or lies in the --data folder, or is the
 --model folder. Nothing is read or written here beyond a stat of the paths.
@@ -75,6 +76,7 @@ RANGES = {
     "heldout_tokens": ("--heldout-tokens", Range(1, integer=True)),
     "sample_tokens": ("--sample-tokens", Range(0, 4096, integer=True, note="0: no samples")),
     "vram_budget": ("--vram-budget", Range(0, lo_open=True, note="GiB")),
+    "dist_timeout": ("--dist-timeout", Range(1, integer=True, note="seconds; several processes under torchrun")),
 }
 
 
@@ -92,6 +94,10 @@ def check_config(cfg):
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume and --overwrite: pass one (continue the run in --out, or delete it and "
                           "start over)")
+    if getattr(cfg, "shard_weights", False) and cfg.quant == "nf4":
+        raise ConfigError("--shard-weights with --load-in-4bit: the NF4 quantisation runs on the GPU as the model "
+                          "loads, and a sharded load reads the model on the host; pass a checkpoint already in "
+                          "bitsandbytes' 4-bit layout (a *-bnb-4bit upload) without --load-in-4bit, or drop a flag")
     for flag, v in (("--out", cfg.out_dir), ("--model", cfg.model), ("--data", cfg.data)):
         if not str(v or "").strip():
             raise ConfigError(f"{flag} is empty: pass a path")

@@ -18,6 +18,9 @@ loops show where it happens:
                skips its GEMM
 The rebuilt Saved is bit-identical to the forward's (same kernels, inputs and dropout seeds),
 so the gradients are the same bits with or without a plan (tests/test_offload.py).
+Sharded weights (runtime/shard.py): every pass asks the scheduler for a layer's weights
+(sched.weights: gathered from the ranks' shards, the next layer's gather issued under this one),
+before its forward and again before its backward.
 """
 import math
 from typing import NamedTuple, Optional
@@ -25,13 +28,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..kernels.embedding import embedding_fwd
-from ..kernels.gemm import matmul
-from ..kernels.linear_ce import linear_ce_fwd_bwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
 from ..kernels.moe_route import moe_aux
 from ..models.dense import Ctx, layer_backward, layer_forward
 from ..models.moe import MoeStep
+from .head_host import lm_head_logits, lm_head_loss
 from .offload import scheduler
 from .plan import KEEP, KEPT_ROWS, OFFLOADED
 
@@ -103,10 +105,14 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     cfg = model.config
     N, L = batch.n_tokens, cfg.n_layers
     modes = plan.modes if plan is not None else (KEEP,) * L
+    if sched is None and getattr(model, "shard", None) is not None:
+        sched = scheduler(model, None, N)  # a pass without a plan over sharded weights: the gathers
     s = torch.empty(N, cfg.hidden, dtype=model.dtype, device=model.device)  # (N, C)
     embedding_fwd(s, batch.ids, model.embed)
     d = None
     for li, w in enumerate(model.layers):
+        if sched is not None and sched.gather is not None:
+            w = sched.weights(li, li + 1)  # the gathered layer; layer li+1's gather runs under this one
         ads = lora.layers[li] if lora is not None else {}
         keep = () if tape is None else KEPT_ROWS[modes[li]]  # what the tape or the scheduler will hold
         (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg, keep=keep)
@@ -132,12 +138,16 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     return nf, x_final, rstd
 
 
-def _backward_layers(g, tape, plan=None, sched=None):
-    """Every layer's backward, last to first; g = dL/d(stream) is updated in place."""
+def _backward_layers(g, tape, plan=None, sched=None, reducer=None):
+    """Every layer's backward, last to first; g = dL/d(stream) is updated in place. reducer: a
+    dist.GradReducer told as each layer's LoRA gradient is complete (data parallel)."""
     modes = plan.modes if plan is not None else None
     while tape.records:
         backward, saved, args = tape.records.pop()  # popping frees each layer's activations
         w, ads, ctx, li, cfg = args
+        if sched is not None and sched.gather is not None:
+            w = sched.weights(li, li - 1)  # gathered again (held for the top two); li-1's under this one
+            args = (w, ads, ctx, li, cfg)
         if modes is not None and li > 0 and modes[li - 1] in OFFLOADED:
             sched.prefetch(li - 1)  # H2D of the next layer's rows, under this layer's backward
         if isinstance(saved, Kept):
@@ -146,10 +156,12 @@ def _backward_layers(g, tape, plan=None, sched=None):
         g = backward(g, saved, *args)
         if modes is not None and modes[li] in OFFLOADED:
             sched.release(li)  # its reload buffers may be refilled
+        if reducer is not None:
+            reducer.layer_done(li)  # its bucket's all-reduce may start under the layers below
     return g
 
 
-def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=None):
+def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=None, reducer=None):
     """Loss and LoRA gradients for one packed batch.
 
     Gradients of grad_scale * (sum of token losses) are ADDED to lora.grads (call lora.zero_grad()
@@ -158,6 +170,8 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     be a (1,) fp32 device tensor, read on the device (a captured graph's per-step value).
     Returns (loss_sum, n_targets): loss_sum a (1,) fp32 device tensor, n_targets a host int.
     plan: the activation plan (planner.plan_for); None keeps every layer's activations.
+    reducer: data parallel (runtime/dist.py), the step's last micro-batch: the LoRA gradient's
+    buckets are all-reduced across the ranks as the backward finishes their layers.
     """
     if grad_scale is None:
         grad_scale = 1.0 / max(batch.n_targets, 1)
@@ -169,12 +183,12 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape, plan, sched)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
-    linear_ce_fwd_bwd(loss, dnf, nf, model.lm_head, batch.targets, grad_scale=grad_scale)
+    lm_head_loss(loss, dnf, nf, model, batch.targets, grad_scale=grad_scale)  # streamed when on the host
     _aux_loss(loss, ctx, model.config, batch, grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
     del nf, dnf, x_final, rstd  # dead: their memory serves the layers' backward (plan.py counts on it)
-    _backward_layers(g, tape, plan, sched)  # backward: every layer in reverse
+    _backward_layers(g, tape, plan, sched, reducer)  # backward: every layer in reverse
     return loss[0:1], batch.n_targets
 
 
@@ -197,7 +211,7 @@ def forward(model, lora, batch):
     ctx = ctx._replace(dropout=0.0)
     nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
     logits = torch.empty(batch.n_tokens, model.config.vocab, dtype=model.dtype, device=nf.device)  # (N, V)
-    matmul(logits, nf, model.lm_head.t())
+    lm_head_logits(logits, nf, model)
     return logits
 
 
@@ -206,6 +220,6 @@ def loss_eval(model, lora, batch):
     ctx = make_ctx(model, lora, batch, seed=0)._replace(dropout=0.0)
     nf, _, _ = _forward_layers(model, lora, batch, ctx, None)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)
-    linear_ce_fwd_bwd(loss, None, nf, model.lm_head, batch.targets)
+    lm_head_loss(loss, None, nf, model, batch.targets)
     _aux_loss(loss, ctx, model.config, batch, 1.0)
     return loss[0:1], batch.n_targets

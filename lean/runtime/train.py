@@ -50,6 +50,14 @@ previous checkpoint is kept and the message says so.
 Before and after training it prints the held-out loss and a greedy sample answer to a fixed
 prompt (lean/runtime/observe.py: KV-cache generation through lean's kernels); metrics also go to
 TensorBoard (out_dir/tb) when tensorboard is installed.
+Several processes (torchrun; runtime/dist.py): each rank trains its share of every step's
+world x grad_accum micro-batches of the one global stream (the union is one process's step with
+grad_accum x world), normalised by the targets of all of them, the LoRA gradient all-reduced in
+buckets under the backward; evaluation is spread over the ranks. Rank 0 alone takes the lock and
+writes checkpoints, metrics, TensorBoard, the adapter and samples; an error, NaN/inf or OOM on any
+rank stops every rank at the step boundary with the same TrainError (RunStopped: rank 0 checkpoints
+the last completed step), and a rank that dies stops the others at their next collective
+(RankLost). shard_weights: each rank holds 1/N of every layer's frozen weights (runtime/shard.py).
 On a CUDA device with grad_accum 1 and dropout 0 (and graph=True, the default), each step is
 replayed from one captured CUDA graph (lean.StepGraph: zero-grad, forward, loss, backward and
 AdamW in one launch, under the vram_budget plan when there is one; batches padded to max_tokens
@@ -57,15 +65,18 @@ tokens in GRAPH_DOCS document slots); a batch of more documents than that runs e
 VRAM budget the graph is dropped first: its memory and an eager step's would not both fit, and
 the run goes on eagerly). The graph's GEMMs may differ from the eager step's in the last bit
 (graph.py's Cautions); `--no-graph` runs every step eagerly.
-Tested: tests/test_train.py (loss goes down, resume == uninterrupted after an interrupt inside
+Tested: tests/test_dist.py (2 and 3 CPU processes against one, resume, faults on one rank),
+tests/test_train.py (loss goes down, resume == uninterrupted after an interrupt inside
 or between steps, atomic and flushed checkpoints, NaN/inf errors, OOM, the out_dir guard, CLI;
 on the GPU the graph run against the eager one), tests/test_cli_guard.py (the folder's lock,
 settings, exit messages, finished runs, the held-out cap).
 """
+import dataclasses
 import math
 import os
 import random
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,9 +87,11 @@ from .batch import pack
 from .checkpoint import (CHECKPOINT, RunLock, TrainError, data_fingerprint, earlier_run, finished_step, kept,
                          prepare_out_dir, read_checkpoint, restore_checkpoint, run_state, save_checkpoint)
 from .data import load_records, pack_batches, split_heldout, tokenize_records
+from .dist import DIST_TIMEOUT, Dist, GradReducer, RankLost, RunStopped, start, take_step
 from .loader import load_model, resolve_model_dir
 from .lora import LoRA
 from .observe import Metrics, Progress, sample
+from .offload import gather_of
 from .graph import StepGraph
 from .optim import AdamW
 from ..kernels.arch import describe
@@ -124,6 +137,8 @@ class TrainConfig:
     quant: str = None             # "nf4": the base model's projections in 4-bit NF4 (QLoRA, --load-in-4bit)
     report_process: bool = False  # the before/after report in a second process (report.py); None: where it
                                   # pays (lean-train's choice; a spawned process imports the caller's __main__)
+    dist_timeout: int = DIST_TIMEOUT  # data parallel (torchrun): seconds a collective may wait for the other ranks
+    shard_weights: bool = False   # data parallel: each rank holds 1/N of every layer's frozen weights (shard.py)
 
 
 # ---------------------------------------------------------------- setup
@@ -188,8 +203,11 @@ class DataStream:
         return b
 
 
-def evaluate(model, lora, batches, show=False) -> tuple:
-    """(mean held-out loss, targets) over pre-packed batches; one host read. show: a progress bar."""
+def evaluate(model, lora, batches, show=False, dist=None) -> tuple:
+    """(mean held-out loss, targets) over pre-packed batches; one host read. show: a progress bar.
+    dist (data parallel): rank r evaluates batches r, r + world, ..., the sums are exchanged."""
+    if dist is not None and dist.world > 1:
+        return _evaluate_shared(model, lora, batches, show, dist)
     sums, count = [], 0
     bar = Progress(0, len(batches), show, desc="held-out", leave=False)
     for i, b in enumerate(batches):
@@ -199,6 +217,32 @@ def evaluate(model, lora, batches, show=False) -> tuple:
         bar.update(f"held-out batch {i + 1}/{len(batches)}")
     bar.close()
     return sum(t.item() for t in sums) / max(count, 1), count  # sync: eval point
+
+
+def _evaluate_shared(model, lora, batches, show, dist):
+    """evaluate's share of one rank (batches rank, rank + world, ...); an error on any rank stops
+    every rank at the exchange. Sharded weights: every rank runs as many forward passes (a rank out
+    of batches runs the first again, not counted), since each pass gathers the layers together."""
+    mine, gather = batches[dist.rank::dist.world], gather_of(model)
+    rounds = -(-len(batches) // dist.world) if gather is not None else len(mine)
+    total, count, error, sums = 0.0, 0, None, []
+    if gather is not None:
+        gather.begin_step()
+    try:
+        for k in range(rounds):
+            loss_sum, n = loss_eval(model, lora, mine[k] if k < len(mine) else batches[0])
+            if k < len(mine):
+                sums.append(loss_sum)
+                count += n
+        total = sum(t.item() for t in sums)  # sync: eval point
+    except RankLost:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the exchange
+        error = e
+        if gather is not None:  # the rest of the passes' gathers: no rank waits for this one
+            gather.complete(rounds, backward=False)
+    total, count = dist.exchange([total, count], error, "the held-out evaluation")
+    return total / max(count, 1), count
 
 
 def eval_budget(cfg, device) -> int:
@@ -213,12 +257,23 @@ def eval_budget(cfg, device) -> int:
 def train(cfg: TrainConfig) -> dict:
     """Run the configured LoRA training; returns the final metrics (see the module docstring)."""
     check_config(cfg)  # every setting, before anything loads or is written
-    with RunLock(cfg.out_dir):  # one owner per run folder: a second run is refused, naming this PID
-        out = Path(cfg.out_dir)
-        try:
-            return _train(cfg, out)
-        except OSError as e:  # the run's files (or a cache): name the path and the fix
-            raise TrainError(f"{os_error_text(e, out)}; {kept(out)}") from e
+    dist = start(cfg)  # data parallel under torchrun (runtime/dist.py); else a single process
+    try:
+        with ExitStack() as stack:
+            error = None
+            try:  # one owner per run folder (rank 0): a second run is refused, naming this PID
+                if dist.main:
+                    stack.enter_context(RunLock(cfg.out_dir))
+            except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+                error = e
+            dist.exchange(error=error, what="taking the run folder")
+            out = Path(cfg.out_dir)
+            try:
+                return _train(cfg, out, dist)
+            except OSError as e:  # the run's files (or a cache): name the path and the fix
+                raise TrainError(f"{os_error_text(e, out)}; {kept(out)}") from e
+    finally:
+        dist.close()
 
 
 def os_error_text(e: OSError, folder=None) -> str:
@@ -235,12 +290,13 @@ def os_error_text(e: OSError, folder=None) -> str:
     return f"{where}: {e.strerror or e}: {fix.get(e.errno, 'check the path')}"
 
 
-def _train(cfg, out) -> dict:
+def _train(cfg, out, dist) -> dict:
     device, dtype_name, dtype = resolve_device_dtype(cfg)
+    device = dist.device or device  # data parallel on GPUs: cuda:LOCAL_RANK
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    earlier = earlier_run(cfg)  # every check before the weights load: a mistake fails fast
-    say = print if cfg.progress else (lambda *a, **k: None)
+    earlier = earlier_run(cfg, dist.world)  # every check before the weights load: a mistake fails fast
+    say = print if cfg.progress and dist.main else (lambda *a, **k: None)  # other ranks print errors only
     say(f"lean-train: {describe(torch.device(device))}", flush=True)  # a GPU below sm_80 is refused here
     free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
     done = finished_step(out, cfg) if cfg.resume else None
@@ -249,36 +305,47 @@ def _train(cfg, out) -> dict:
         return {"step": done, "loss": None, "eval_loss": None, "eval_loss_before": None, "tokens": 0,
                 "seconds": 0.0, "finished": True, "adapter": str(out / "adapter")}
     try:
-        loaded = _load(cfg, device, dtype_name, dtype)
+        loaded = _load_agreed(cfg, device, dtype_name, dtype, dist)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"interrupted while loading, before anything was written to {out}: run the "
                                 "same command again") from None
     model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches = loaded
     vocab = model.config.vocab
-    plan = default_plan(cfg, model, lora, free)
+    sharded = gather_of(model) is not None
+    if cfg.shard_weights and not sharded:
+        say("lean-train: --shard-weights with one process: the weights stay whole (start several with torchrun)")
+    if sharded and cfg.sample_tokens:  # a sample is one rank's generation; every rank holds a part of the layers
+        say("lean-train: no greedy samples under --shard-weights (the held-out loss is reported)", flush=True)
+        cfg = dataclasses.replace(cfg, sample_tokens=0)
+    plan = default_plan(cfg, model, lora, free, say)
     if cfg.vram_budget is not None:
         plan = plan_for(model, lora, cfg.max_tokens, budget_bytes=int(cfg.vram_budget * 2**30))
-    if plan is not None and cfg.progress:
+    elif sharded and plan is None:  # every activation kept: the plan prices and prints the gathers
+        plan = plan_for(model, lora, cfg.max_tokens)
+    if plan is not None and cfg.progress and dist.main:
         print(format_plan(plan), flush=True)
-    out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
+    if dist.main:
+        out = prepare_out_dir(cfg.out_dir, earlier)  # an earlier run goes only now (--overwrite)
     step, epoch, index = 0, 0, 0
     if resume is not None:
         st = restore_checkpoint(*resume, lora, opt)
         step, epoch, index = st["step"], st["epoch"], st["batch_index"]
     stream = DataStream(train_docs, cfg.max_tokens, cfg.seed, epoch, index)
     held = sum(len(d[0]) for d in heldout)
+    ranks = f"; {dist.world} processes x {cfg.grad_accum} micro-batches a step" if dist.world > 1 else ""
     say(f"lean-train: {model.config.arch} from {model_dir} on {device} ({dtype_name}); "
         f"{len(train_docs)} training documents, {len(heldout)} held out ({held:,} tokens, at most "
         f"--heldout-tokens {cfg.heldout_tokens:,}); LoRA r={cfg.r} on {', '.join(lora.targets)} "
-        f"({lora.params.numel():,} parameters)", flush=True)
-    beside = report_in_process(cfg, device, model)  # the report on a second core (report.py)
+        f"({lora.params.numel():,} parameters){ranks}", flush=True)
+    beside = dist.world == 1 and report_in_process(cfg, device, model)  # the report on a second core (report.py)
     jobs, after, finished = [], [], False
-    with Metrics(out, tensorboard=cfg.tensorboard, resume_step=step if resume is not None else None) as metrics:
+    resume_step = step if resume is not None else None
+    with (Metrics(out, tensorboard=cfg.tensorboard, resume_step=resume_step) if dist.main else NoMetrics()) as metrics:
         try:
             before = None
             # the untrained model's report, once: a run resumed at step 0 may not have logged it
             want = {"eval": bool(eval_batches), "sample": cfg.sample_tokens > 0} if step == 0 else {}
-            want = {k: v and (k, 0) not in metrics.kept for k, v in want.items()}
+            want = dist.broadcast({k: v and (k, 0) not in metrics.kept for k, v in want.items()})  # rank 0's log
             if any(want.values()):
                 job = None
                 if beside:
@@ -287,14 +354,14 @@ def _train(cfg, out) -> dict:
                                                        tokens=cfg.sample_tokens if want["sample"] else 0))
                     jobs.append(job)
                 before = Before(cfg, model, lora, tok, eval_batches if want["eval"] else [], metrics, job,
-                                sample=want["sample"])
+                                sample=want["sample"] and dist.main, dist=dist)
             def last_step():  # the adapter's sample beside the final evaluation: its process starts now
                 if beside and cfg.sample_tokens > 0 and not (before is not None and before.job is not None):
                     after.append(ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device,
                                                               adapter=out / "adapter"), wait=True))
                     jobs.append(after[0])
             result = _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan,
-                           fingerprint, before, last_step)
+                           fingerprint, before, last_step, dist)
             finished = True
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
@@ -316,13 +383,14 @@ def _train(cfg, out) -> dict:
                 job = ReportJob.start(_report_spec(cfg, model_dir, dtype_name, device, adapter=out / "adapter"))
                 jobs.append(job)
             if eval_batches:
-                result["eval_loss"], n = evaluate(model, lora, eval_batches, show=cfg.progress)
+                result["eval_loss"], n = evaluate(model, lora, eval_batches, show=cfg.progress, dist=dist)
                 metrics.log({"kind": "eval", "step": step, "loss": result["eval_loss"], "targets": n})
             if result["eval_loss_before"] is not None:
                 say(f"held-out loss: {result['eval_loss_before']:.4f} before, {result['eval_loss']:.4f} after")
             result["sample_before"] = before.text if before is not None else None
             text = job.result()["sample"] if job is not None else None
-            result["sample_after"] = _sample(cfg, model, lora, tok, metrics, step, "after", say, text)
+            result["sample_after"] = (_sample(cfg, model, lora, tok, metrics, step, "after", say, text)
+                                      if dist.main else None)
         except torch.cuda.OutOfMemoryError as e:
             raise _oom_error(cfg, e) from e
         except KeyboardInterrupt:
@@ -348,9 +416,9 @@ class Before:
     before the first step, or (job: a ReportJob beside the training) taken after the first step's
     compute, before its log line, so the records keep their order."""
 
-    def __init__(self, cfg, model, lora, tok, eval_batches, metrics, job=None, sample=True):
+    def __init__(self, cfg, model, lora, tok, eval_batches, metrics, job=None, sample=True, dist=None):
         self.cfg, self.model, self.lora, self.tok, self.eval_batches = cfg, model, lora, tok, eval_batches
-        self.metrics, self.job, self.text, self.sample = metrics, job, None, sample
+        self.metrics, self.job, self.text, self.sample, self.dist = metrics, job, None, sample, dist
 
     def report(self, say):
         """Log and print the report; returns the held-out loss (None without a held-out set)."""
@@ -361,7 +429,8 @@ class Before:
         if got:
             ev = got["eval"]
         else:
-            ev = evaluate(self.model, self.lora, self.eval_batches, show=cfg.progress) if self.eval_batches else None
+            ev = (evaluate(self.model, self.lora, self.eval_batches, show=cfg.progress, dist=self.dist)
+                  if self.eval_batches else None)
         if ev is None:
             return None
         self.metrics.log({"kind": "eval", "step": 0, "loss": ev[0], "targets": ev[1]})
@@ -386,7 +455,7 @@ def expert_load(moe, cfg):
     return out
 
 
-def default_plan(cfg, model, lora, free):
+def default_plan(cfg, model, lora, free, say=print):
     """Without --vram-budget on a GPU the budget is the memory the card had free when the run started
     (`free` bytes, before the weights loaded): None (keep every activation, no planning) when a step
     fits it, else the planner's plan for it, so that a step too big for the card recomputes and
@@ -396,21 +465,49 @@ def default_plan(cfg, model, lora, free):
     keep = plan_for(model, lora, cfg.max_tokens)  # no budget: the all-keep plan, priced, no measurement
     if keep.memory.peak + SLACK <= free:
         return None
-    print(f"lean-train: a step of --max-tokens {cfg.max_tokens} needs {keep.memory.peak / 2**30:.2f} GiB, more "
-          f"than the {free / 2**30:.2f} GiB this GPU had free: planning for that budget (--vram-budget sets "
-          "another)", flush=True)
+    say(f"lean-train: a step of --max-tokens {cfg.max_tokens} needs {keep.memory.peak / 2**30:.2f} GiB, more "
+        f"than the {free / 2**30:.2f} GiB this GPU had free: planning for that budget (--vram-budget sets "
+        "another)", flush=True)
     return plan_for(model, lora, cfg.max_tokens, budget_bytes=free)
 
 
-def _load(cfg, device, dtype_name, dtype):
-    """Model folder, tokenizer, documents, checkpoint (checked), weights, LoRA, AdamW, held-out batches."""
+def _load_agreed(cfg, device, dtype_name, dtype, dist):
+    """_load on every rank, the ranks agreeing that it worked (an error on one stops all). Rank 0
+    reads the checkpoint first (it may set checkpoint.old in place of a broken one), the others after."""
+    if dist.world == 1:
+        return _load(cfg, device, dtype_name, dtype)
+    loaded, error = None, None
+    try:
+        loaded = _load(cfg, device, dtype_name, dtype, read=dist.main, world=dist.world, dist=dist)
+    except RunStopped:  # agreed already (the sharded load's turns)
+        raise
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+        error = e
+    dist.exchange(error=error, what="loading")
+    if cfg.resume:  # rank 0 has read it (and set checkpoint.old in place of a broken one): the others now
+        try:
+            if not dist.main:
+                loaded = loaded[:5] + (read_checkpoint(cfg.out_dir, cfg, loaded[4], dist.world),) + loaded[6:]
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+            error = e
+        dist.exchange(error=error, what="reading the checkpoint")
+    return loaded
+
+
+def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
+    """Model folder, tokenizer, documents, checkpoint (checked; read: here), weights (sharded over
+    the ranks with --shard-weights), LoRA, AdamW, held-out batches."""
     model_dir = resolve_model(cfg.model, dtype_name)
     tok = Tokenizer.from_dir(model_dir)
     train_docs, heldout, _ = build_data(cfg, tok)
     fingerprint = data_fingerprint(train_docs)
-    resume = read_checkpoint(cfg.out_dir, cfg, fingerprint) if cfg.resume else None
+    resume = read_checkpoint(cfg.out_dir, cfg, fingerprint, world) if cfg.resume and read else None
     try:
-        model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
+        if cfg.shard_weights and world > 1:
+            from .shard import load_sharded
+            model = load_sharded(model_dir, dtype, device, dist, quant=cfg.quant)
+        else:
+            model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
         if cfg.vram_budget is not None and device.startswith("cuda"):
             early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens, cfg.vram_budget)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
@@ -455,19 +552,35 @@ def _oom_error(cfg, e, saved=None):
 GRAPH_DOCS = 256  # document slots of the captured step (a batch of more runs eagerly)
 
 
-def _step_graph(cfg, model, lora, opt, device, plan):
-    """The captured step where it applies (see the module docstring), else None."""
+def _step_graph(cfg, model, lora, opt, device, plan, reducer=None, dist=None):
+    """The captured step where it applies (see the module docstring), else None. Data parallel
+    (reducer): the gradient's all-reduce is captured inside it; if the capture fails on any rank,
+    every rank runs eagerly and the first says why."""
     if not (cfg.graph and device.startswith("cuda") and cfg.grad_accum == 1 and cfg.dropout == 0.0):
         return None
     if model.config.aux_loss_coef > 0:  # the load-balancing loss would count a captured step's padding
         return None
-    return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan)
+    if reducer is None:
+        return StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan)
+    graph, why = None, None
+    try:
+        graph = StepGraph(model, lora, opt, budget=cfg.max_tokens, max_docs=GRAPH_DOCS, plan=plan, reducer=reducer)
+    except Exception as e:  # noqa: BLE001 - every rank falls back together
+        why = f"rank {dist.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    failed = dist.exchange([why is not None], what="capturing the step")[0]
+    if failed:
+        if why is not None:
+            print(f"lean-train: the captured step with its all-reduce inside failed ({why}); every rank "
+                  "runs the step eagerly (--no-graph skips the attempt)", flush=True)
+        torch.cuda.empty_cache()
+        return None
+    return graph
 
 
-def _graph_batch(graph, docs, vocab):
-    """docs packed to the graph's fixed shapes, or None when they need more document slots than it
-    has (the padding document takes one)."""
-    return graph.pack(docs, vocab=vocab) if len(docs) < graph.max_docs else None
+def _graph_fits(graph, share):
+    """Every rank's batch of the step fits the graph's document slots (the padding document takes
+    one): decided from the host's view of every rank's micro-batch, so all ranks agree."""
+    return all(len(d) < graph.max_docs for d in share.every)
 
 
 def _check_finite(out, step, lr, **values):
@@ -480,53 +593,112 @@ def _check_finite(out, step, lr, **values):
                              f"records; the last checkpoint in {out / CHECKPOINT} is untouched")
 
 
+class NoMetrics:
+    """The metrics of a rank other than 0: nothing is written (rank 0 logs the step's global values)."""
+    kept = []
+
+    def log(self, record):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def _eager_step(cfg, model, lora, share, device, vocab, plan, reducer, dist):
+    """This rank's micro-batches of the step, eagerly: zero-grad, forward_backward on each with the
+    step's global 1 / targets (dropout seeds of the global micro-batch index), the gradient's
+    all-reduce under the last backward. Data parallel: an error here is reported at the exchange,
+    after the same collectives as every other rank's, and every rank raises RunStopped. Returns the
+    device loss sums."""
+    lora.zero_grad()
+    base, sums, error, gather = lora.steps, [], None, gather_of(model)
+    if reducer is not None:
+        reducer.begin()
+    if gather is not None:
+        gather.begin_step()
+    try:
+        if dist.pending is None:  # a deferred error of rank 0 loses this step anyway
+            batches = [pack(d, cfg.max_tokens, device=device, vocab=vocab) for d in share.docs]
+            for j, b in enumerate(batches):
+                lora.steps = base + share.first + j  # forward_backward draws seed number base + first + j + 1
+                last = reducer if j == len(batches) - 1 else None
+                loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(share.n_targets, 1), plan=plan,
+                                               reducer=last)
+                sums.append(loss_sum)
+    except RankLost:  # no exchange is possible any more
+        raise
+    except Exception as e:  # noqa: BLE001 - one process: raised as is; several: at the exchange
+        if dist.world == 1:
+            raise
+        error = e
+    if gather is not None and (error is not None or dist.pending is not None):
+        gather.complete(len(share.docs), reducer)  # the step's remaining gathers and buckets, in order
+    lora.steps = base + share.count
+    if reducer is not None:
+        reducer.finish()
+    dist.exchange(error=error, what="the step")
+    return sums
+
+
 def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vocab, plan=None, fingerprint=None,
-          before=None, last_step=None):
+          before=None, last_step=None, dist=None):
     """The training steps from `step` to cfg.steps, the adapter saved at the end. last_step: called
-    once as the last step starts (train() starts the final sample's process there)."""
+    once as the last step starts (train() starts the final sample's process there). dist: data
+    parallel (runtime/dist.py): each rank trains its share of a step, rank 0 writes."""
     out = Path(cfg.out_dir)
-    graph = _step_graph(cfg, model, lora, opt, device, plan)
+    dist = dist or Dist()
+    reducer = GradReducer(lora, dist) if dist.world > 1 else None
+    graph = _step_graph(cfg, model, lora, opt, device, plan, reducer, dist)
     eval_loss = eval_before = None
-    say = print if cfg.progress else (lambda *a, **k: None)
+    say = print if cfg.progress and dist.main else (lambda *a, **k: None)
     if before is not None and before.job is None:  # computed here, before the first step
         eval_loss = eval_before = before.report(say)
-    progress = Progress(step, cfg.steps, cfg.progress)
+    progress = Progress(step, cfg.steps, cfg.progress and dist.main)
     t_start, done_at_start, loss = time.time(), step, None
     tokens_total = 0
     # the last completed step's data position and dropout counter: what an interrupt saves
     pos, in_update = (stream.epoch, stream.index, lora.steps), False
+
+    def state():  # the checkpoint of the last completed step
+        return run_state(cfg, step, *pos, fingerprint, world=dist.world)
+
     try:
         while step < cfg.steps:
             t0 = time.time()
             if step == cfg.steps - 1 and last_step is not None:
                 last_step()
-            docs = [stream.next() for _ in range(cfg.grad_accum)]
-            fixed = _graph_batch(graph, docs[0], vocab) if graph is not None else None
-            if fixed is None and graph is not None and plan is not None:
+            share = take_step(stream, dist, cfg.grad_accum)  # this rank's micro-batches, the step's counts
+            docs, n_targets, n_tokens = share.docs, share.n_targets, share.n_tokens
+            fits = graph is not None and _graph_fits(graph, share)
+            if not fits and graph is not None and plan is not None:
                 # A budget has no room for the graph's memory and an eager step's: drop the graph.
-                progress.write(f"step {step + 1}: {len(docs[0])} documents, more than the captured step's "
-                               f"{graph.max_docs - 1}: under --vram-budget the graph is dropped and the run "
-                               "goes on eagerly (a lower --max-tokens packs fewer documents a step)")
+                progress.write(f"step {step + 1}: {max(len(d) for d in share.every)} documents, more than the "
+                               f"captured step's {graph.max_docs - 1}: under --vram-budget the graph is dropped and "
+                               "the run goes on eagerly (a lower --max-tokens packs fewer documents a step)")
                 graph = None
                 torch.cuda.empty_cache()
             lr = lr_at(step + 1, cfg)
-            if fixed is not None:  # the captured step: one replay
-                batches = [fixed]
-                n_targets = fixed.n_targets
-                in_update = True
-                sums = [graph.step(fixed, lr=lr)[0]]
+            if fits:  # the captured step: one replay
+                fixed, error = None, None
+                try:
+                    fixed = graph.pack(docs[0], vocab=vocab)
+                except Exception as e:  # noqa: BLE001 - one process: raised as is; several: at the exchange
+                    if dist.world == 1:
+                        raise
+                    error = e
+                dist.exchange(error=error, what="the step")
+                in_update, base = True, lora.steps
+                sums = [graph.step(fixed, lr=lr, n_targets=n_targets)[0]]
+                lora.steps = base + share.count  # global micro-batches (the graph counted its own)
             else:
-                batches = [pack(d, cfg.max_tokens, device=device, vocab=vocab) for d in docs]
-                n_targets = sum(b.n_targets for b in batches)  # host ints: no sync
-                lora.zero_grad()
-                sums = []  # device tensors, read once at the log point
-                for b in batches:
-                    loss_sum, _ = forward_backward(model, lora, b, grad_scale=1.0 / max(n_targets, 1), plan=plan)
-                    sums.append(loss_sum)
+                sums = _eager_step(cfg, model, lora, share, device, vocab, plan, reducer, dist)
                 in_update = True
                 opt.step(lr=lr)
-            loss = sum(t.item() for t in sums) / max(n_targets, 1)  # sync: log point
-            grad_norm = opt.grad_norm.item()  # sync: log point (already complete)
+            loss = dist.gather_loss(sums) / max(n_targets, 1)  # sync: log point (every rank's losses)
+            grad_norm = opt.grad_norm.item()  # sync: log point (already complete; the same on every rank)
             _check_finite(out, step + 1, lr, loss=loss, grad_norm=grad_norm)
             # checked: the step counts as done (an interrupt from here on saves it)
             step, pos, in_update = step + 1, (stream.epoch, stream.index, lora.steps), False
@@ -534,55 +706,100 @@ def _loop(cfg, model, lora, opt, stream, eval_batches, step, metrics, device, vo
                 eval_before = before.report(lambda line, **k: progress.write(line))
                 before.job = None
             dt = time.time() - t0
-            n_tokens = (sum(fixed.doc_lens[:len(docs[0])]) if fixed is not None  # real tokens, not the padding
-                        else sum(b.n_tokens for b in batches))
             tokens_total += n_tokens
             elapsed = time.time() - t_start
             eta = elapsed / (step - done_at_start) * (cfg.steps - step)
-            load = expert_load(graph.moe if fixed is not None else model.cache.get("moe"), model.config)
-            metrics.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt,
-                      **load})
+            load = expert_load(graph.moe if fits else model.cache.get("moe"), model.config)
+            with dist.deferred():  # rank 0's files: an error stops every rank at the next exchange
+                metrics.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                             "tokens": n_tokens, "targets": n_targets, "tokens_per_s": n_tokens / dt, "seconds": dt,
+                             **load})
             mem = f" mem {torch.cuda.max_memory_allocated() / 2**30:.2f}GiB" if device.startswith("cuda") else ""
             moe = f" experts max/mean {load['expert_load_max_over_mean']:.2f}" if load else ""
             progress.update(f"loss {loss:.4f} lr {lr:.2e} {n_tokens / dt:,.0f} tok/s{mem}{moe} eta {eta:.0f}s")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and eval_batches:
-                eval_loss, n = evaluate(model, lora, eval_batches, show=cfg.progress)
-                metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
+                eval_loss, n = evaluate(model, lora, eval_batches, show=cfg.progress, dist=dist)
+                with dist.deferred():
+                    metrics.log({"kind": "eval", "step": step, "loss": eval_loss, "targets": n})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
+            if cfg.save_every and step % cfg.save_every == 0 and dist.main:
+                with dist.deferred():
+                    save_checkpoint(out, lora, opt, state())
     except torch.cuda.OutOfMemoryError as e:
         progress.close()
         if in_update or step == done_at_start:  # an update half done, or nothing new to keep
             raise
         try:  # the parameters are whole: an OOM leaves them as the last completed step left them
-            saved = save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
+            saved = _save(dist, out, lora, opt, state())
         except Exception:
             raise e from None
         raise _oom_error(cfg, e, saved) from e
+    except RunStopped as e:  # a step failed on some rank; every rank is here with the same text
+        progress.close()
+        saved = None if step == done_at_start else _save_agreed(dist, out, lora, opt, state())
+        raise (_oom_error(cfg, e, saved) if e.oom else _stopped(e, out, step, saved)) from e
+    except RankLost as e:  # a rank died: no more collectives; rank 0 keeps what it safely can
+        progress.close()
+        saved = None
+        if dist.main and not in_update and step > done_at_start:
+            try:
+                saved = save_checkpoint(out, lora, opt, state())
+            except Exception:  # noqa: BLE001 - the message says what is kept
+                saved = None
+        raise _stopped(e, out, step, saved) from e
     except KeyboardInterrupt:
         progress.close()
         if in_update:
             raise KeyboardInterrupt(f"interrupted during the update of step {step + 1}, which cannot be saved: "
                                     f"{kept(out)}") from None
-        raise _save_interrupted(out, lora, opt, run_state(cfg, step, *pos, fingerprint),
-                                f"interrupted after step {step}") from None
+        raise _save_interrupted(out, lora, opt, state(), f"interrupted after step {step}", dist) from None
     progress.close()
     try:
-        if cfg.save_every:
-            save_checkpoint(out, lora, opt, run_state(cfg, step, *pos, fingerprint))
-        lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
+        with dist.deferred():  # rank 0 writes; every rank hears of an error at the exchange below
+            if cfg.save_every and dist.main:
+                save_checkpoint(out, lora, opt, state())
+            if dist.main:
+                lora.save(out / "adapter")  # before the final eval and sample: what trained is kept if they fail
+        dist.exchange(what="the final save")
     except KeyboardInterrupt:
-        raise _save_interrupted(out, lora, opt, run_state(cfg, step, *pos, fingerprint),
-                                f"interrupted after the last step ({step}), before the adapter was written") from None
+        raise _save_interrupted(out, lora, opt, state(),
+                                f"interrupted after the last step ({step}), before the adapter was written", dist) from None
     return {"step": step, "loss": loss, "eval_loss": eval_loss, "eval_loss_before": eval_before, "tokens": tokens_total,
             "seconds": time.time() - t_start}
 
 
-def _save_interrupted(out, lora, opt, state, what) -> KeyboardInterrupt:
+def _stopped(e, out, step, saved) -> TrainError:
+    """The TrainError of a run stopped by another rank: the cause, then what is saved."""
+    if saved:
+        return TrainError(f"{e}: the checkpoint of step {step} is saved in {saved}: continue with the same "
+                          "command plus --resume")
+    return TrainError(f"{e}: {kept(out)}")
+
+
+def _save(dist, out, lora, opt, state):
+    """save_checkpoint on rank 0, the only rank that writes; the checkpoint's path on every rank."""
+    return save_checkpoint(out, lora, opt, state) if dist.main else out / CHECKPOINT
+
+
+def _save_agreed(dist, out, lora, opt, state):
+    """The last completed step's checkpoint, saved by rank 0 after a step failed on some rank (the
+    parameters are whole: the update had not begun); every rank learns its path, or None."""
+    saved = None
+    if dist.main:
+        try:
+            saved = str(save_checkpoint(out, lora, opt, state))
+        except Exception:  # noqa: BLE001 - the message then names the checkpoint kept
+            saved = None
+    return dist.broadcast(saved)
+
+
+def _save_interrupted(out, lora, opt, state, what, dist=None) -> KeyboardInterrupt:
     """The checkpoint of a Ctrl-C saved; the KeyboardInterrupt to raise says what is saved and what
-    to run next (a second Ctrl-C during the save leaves the previous checkpoint, and says so)."""
+    to run next (a second Ctrl-C during the save leaves the previous checkpoint, and says so).
+    Data parallel: rank 0 saves it, the other ranks say so."""
+    if dist is not None and not dist.main:
+        return KeyboardInterrupt(f"{what}: rank 0 saves the checkpoint of step {state['step']} in "
+                                 f"{out / CHECKPOINT}; continue with the same command plus --resume")
     try:
         save_checkpoint(out, lora, opt, state)
     except KeyboardInterrupt:

@@ -1,0 +1,105 @@
+"""Sharded frozen weights (`--shard-weights`): each rank holds 1/N of every decoder layer's flat
+buffers; a layer's full weights are all-gathered just before they are read.
+
+Shape legend: N ranks (the world size), r this rank; per layer P its flat buffer's elements
+(weights.Layer.buf, model dtype) and Q its quantised buffer's bytes (Layer.qbuf, uint8: NF4
+projections, MXFP4 experts; 0 for a bf16 model), S = ceil(P / N), Sq = ceil(Q / N).
+
+    model = load_sharded(model_dir, dtype, device, dist)    # the ranks' shards, the rest whole
+    sched.weights(li, ahead)                                 # offload.py: layer li's full weights
+
+What a rank holds after load_sharded (or shard_model on a loaded model):
+    model.layers[li]   LayerShard: buf (S,) act and qbuf (Sq,) uint8, its part [r*S, (r+1)*S) of
+                       the layer's buffers zero-padded to N*S (and N*Sq)
+    model.embed, model.lm_head, model.norm   whole, on the device (the loss reads the lm_head
+                       whole; an untied embedding may still go to pinned host memory under a
+                       --vram-budget plan)
+    model.shard        Sharding(rank, world, dist): what the scheduler and the planner read
+The gathers run on the step's scheduler (offload.Gather, owned by the offload scheduler and shared
+by every pass over the model): two rotating full-size layers per kind of layer (dense, MoE), the
+gather of the next layer issued as a layer starts (forward: li+1, backward: li-1), so it runs under
+that layer's compute; plan.py counts the two buffers in the peak and prices the gathers against the
+all-gather rate offload.measure_rates measures.
+
+Loading: every rank reads the checkpoint on the host (load_model on the CPU), keeps its part of
+each layer on the device and frees the rest; on a GPU the ranks take turns (one whole copy of the
+model in host memory at a time, N load times), on the CPU they load at once. NF4 quantisation at
+load (--load-in-4bit) runs device kernels and is refused here; a checkpoint already in
+bitsandbytes' 4-bit layout loads as stored.
+
+Equal to the unsharded run: the gathered buffers are the same bits, so the step is (tests/test_dist.py:
+3 CPU processes, gloo, against one process; tests/test_dist_gpu.py on 2 GPUs).
+Caution: every pass over a sharded model is collective (each rank must run the same layers in the
+same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
+(one rank's generation) are off under --shard-weights.
+"""
+from typing import NamedTuple
+
+import torch
+
+from .checkpoint import TrainError
+
+
+class Sharding(NamedTuple):
+    rank: int
+    world: int
+    dist: object  # the run's dist.Dist (a failed gather names the rank that is gone)
+
+
+class LayerShard:
+    """Rank r's part of decoder layer li's flat buffers (see the module docstring)."""
+
+    def __init__(self, layer, li, rank, world, device):
+        self.li, self.moe = li, layer.moe
+        self.numel, self.qnumel = layer.buf.numel(), layer.qbuf.numel()
+        self.buf = _part(layer.buf, rank, world, device)  # (S,) act
+        self.qbuf = _part(layer.qbuf, rank, world, device)  # (Sq,) uint8
+
+
+def _part(flat, rank, world, device):
+    """[r*S, (r+1)*S) of flat zero-padded to world*S, as a new tensor on device."""
+    S = -(-flat.numel() // world)
+    out = torch.zeros(S, dtype=flat.dtype, device=device)
+    lo, hi = min(rank * S, flat.numel()), min((rank + 1) * S, flat.numel())
+    out[:hi - lo].copy_(flat[lo:hi])
+    return out
+
+
+def padded(n, world):
+    """Elements of a flat buffer of n padded to world equal parts."""
+    return -(-n // world) * world
+
+
+def shard_model(model, dist, device):
+    """model (loaded whole, anywhere) with every layer replaced by this rank's LayerShard on device,
+    and its embedding, lm_head and norm moved there."""
+    rank, world = dist.rank, dist.world
+    for li, layer in enumerate(model.layers):
+        model.layers[li] = LayerShard(layer, li, rank, world, device)
+    tied = model.embed is model.lm_head
+    model.embed = model.embed.to(device)
+    model.lm_head = model.embed if tied else model.lm_head.to(device)
+    model.norm = model.norm.to(device)
+    model.device = torch.device(device)
+    model.shard = Sharding(rank, world, dist)
+    return model
+
+
+def load_sharded(model_dir, dtype, device, dist, quant=None):
+    """This rank's sharded model (see the module docstring): loaded on the host, then sharded; on a
+    GPU one rank after another, each turn closed by an exchange (an error stops every rank)."""
+    from .loader import load_model
+
+    if quant == "nf4":  # lean-train refuses the pair first (settings.check_config)
+        raise TrainError("load_sharded: quant='nf4' quantises on the GPU at load; the sharded load reads on the host")
+    turns = range(dist.world) if str(device).startswith("cuda") else (None,)
+    model = None
+    for turn in turns:
+        error = None
+        if turn in (None, dist.rank):
+            try:
+                model = shard_model(load_model(model_dir, dtype=dtype, device="cpu", quant=quant), dist, device)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+                error = e
+        dist.exchange(error=error, what="loading the sharded weights" + (f" (rank {turn}'s turn)" if turn is not None else ""))
+    return model

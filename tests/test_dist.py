@@ -1,0 +1,344 @@
+"""Data parallel on the CPU: lean-train in 2 and 3 processes (gloo, the Triton interpreter) against
+one process over the same micro-batches.
+
+Every rank is a `python -m tests.dist_worker` process started with torchrun's environment (RANK,
+WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT), on the tiny random Llama of tests/test_train.py, in
+float32, with LoRA dropout on (each rank must draw the seeds of its global micro-batches). The
+reference is train() in this process with grad_accum = world x the ranks' grad_accum.
+Covers: 2 ranks == one process bit for bit (the sum of two partial gradients is one commutative
+add) through a Ctrl-C and a resume, with the same losses, held-out losses and one metrics record
+a step, while the other ranks' writers raise (only rank 0 writes); resuming under another world
+size (refused unless world x grad_accum stays, then exact); 3 ranks with sharded weights == one
+process to fp32 rounding (the gradient sums in another order); a rank killed mid-step (the other
+exits with an error naming it, within the test's deadline), a NaN on one rank and an OOM in one
+rank's backward with sharded weights (every rank stops with the same message; the OOM keeps the
+last completed step); lean-train and tools/train_lora.py under torchrun; the gradient buckets and
+the host target count.
+Slow: each rank runs the interpreter (4 min 32 s on 2 cores others were using, load about 2).
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lean.runtime.train as T
+from lean.runtime.batch import count_targets, pack
+from lean.runtime.dist import Dist, GradReducer
+from tests.hf_models import build_hf, tiny_config
+from tests.test_train import _records, _write_tokenizer
+from tests.util import fresh_generator
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU processes of data parallel (gloo, the "
+                                "interpreter); on GPUs tests/test_dist_gpu.py runs the same checks")
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE = 600  # seconds a multi-process run may take before the test calls it hung
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    rng = np.random.default_rng(int(torch.randint(1 << 30, (1,), generator=fresh_generator("cpu"))))
+    build_hf("llama", int(rng.integers(1 << 30))).save_pretrained(root / "model")
+    _write_tokenizer(root / "model")
+    # 3 layers for sharded weights: the two gather buffers are refilled while the step runs (with 2,
+    # both layers would stay gathered after the first forward)
+    build_hf("llama", int(rng.integers(1 << 30)), config=tiny_config("llama").__class__(
+        **dict(tiny_config("llama").to_dict(), num_hidden_layers=3))).save_pretrained(root / "model3")
+    _write_tokenizer(root / "model3")
+    # Qwen2 (q/k/v biases): a layer of 27,904 values, which 3 ranks split with padding
+    build_hf("qwen2", int(rng.integers(1 << 30))).save_pretrained(root / "qwen2")
+    _write_tokenizer(root / "qwen2")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(rng)))
+    return root, int(rng.integers(1000))
+
+
+def _cfg(setup, out, **kw):
+    root, seed = setup
+    base = dict(model=str(root / "model"), data=str(root / "data.jsonl"), out_dir=str(root / out), max_tokens=32,
+                steps=2, lr=1e-1, warmup_steps=1, r=4, alpha=8, targets=["down"], dropout=0.1, seed=seed,
+                eval_every=0, save_every=0, heldout_fraction=0.0, progress=False, sample_tokens=0, dist_timeout=60)
+    base.update(kw)
+    return base
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world, cfg, fault=None, deadline=DEADLINE):
+    """Start `world` ranks of tests.dist_worker; [(returncode, stdout, stderr)] per rank. Each is
+    reaped as it ends; past the deadline every rank is killed and the test fails (a hang)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # TRITON_INTERPRET as conftest set it (CPU only)
+    spec = json.dumps({"cfg": cfg, "fault": fault})
+    logs = Path(cfg["out_dir"] + ".logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for r in range(world):
+        out, err = open(logs / f"out.{r}", "w"), open(logs / f"err.{r}", "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.dist_worker", spec], cwd=ROOT, stdout=out,
+                                       stderr=err, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))), out, err))
+    start = time.time()
+    while any(p.poll() is None for p, _, _ in procs):
+        if time.time() - start > deadline:
+            for p, _, _ in procs:
+                p.kill()
+            pytest.fail(f"{world} ranks still running after {deadline} s: a rank hangs")
+        time.sleep(0.2)
+    for _, out, err in procs:
+        out.close()
+        err.close()
+    return [(p.returncode, (logs / f"out.{r}").read_text(), (logs / f"err.{r}").read_text())
+            for r, (p, _, _) in enumerate(procs)]
+
+
+def _ok(results):
+    for r, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {r} exited {rc}: {err[-3000:]}"
+    return json.loads(results[0][1].strip().splitlines()[-1])
+
+
+def _state(out):
+    return load_file(str(Path(out) / "checkpoint" / "state.safetensors"))
+
+
+def _records_of(out, kind):
+    lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["kind"] == kind]
+
+
+def _error_line(err):
+    return next(x for x in err.splitlines() if ": error: " in x).split(": error: ", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(setup):
+    """One process with grad_accum 2 (the reference), and 2 ranks stopped by Ctrl-C in step 2 (the
+    checkpoint of step 1 copied aside), then resumed to step 2."""
+    ref = _cfg(setup, "ref2", grad_accum=2, heldout_fraction=0.2, save_every=2)
+    ref_result = T.train(T.TrainConfig(**ref))
+    dp = _cfg(setup, "dp2", heldout_fraction=0.2, save_every=2)
+    stopped = run_ranks(2, dp, fault={"kind": "stop", "step": 2})
+    at_1 = Path(dp["out_dir"] + ".at1")
+    shutil.copytree(dp["out_dir"], at_1)
+    resumed = run_ranks(2, dict(dp, resume=True))
+    return ref, ref_result, dp, stopped, resumed, at_1
+
+
+def test_two_ranks_equal_one_process_through_a_resume(two_ranks):
+    ref, ref_result, dp, stopped, resumed, _ = two_ranks
+    assert [rc for rc, _, _ in stopped] == [130, 130], [e[-2000:] for _, _, e in stopped]
+    assert "checkpoint of step 1 saved" in stopped[0][2] and "rank 0 saves the checkpoint of step 1" in stopped[1][2]
+    result = _ok(resumed)
+    a, b = _state(ref["out_dir"]), _state(dp["out_dir"])
+    for k in ("params", "m", "v"):
+        assert torch.equal(a[k], b[k]), k  # bit for bit: 2 partial gradients add in one commutative add
+    losses = lambda out: [(r["step"], r["loss"], r["grad_norm"], r["targets"], r["tokens"])  # noqa: E731
+                          for r in _records_of(out, "train")]
+    assert losses(dp["out_dir"]) == losses(ref["out_dir"])  # one record a step: rank 0's, the global values
+    assert [(r["step"], r["loss"]) for r in _records_of(dp["out_dir"], "eval")] == \
+        [(r["step"], r["loss"]) for r in _records_of(ref["out_dir"], "eval")]
+    assert result["eval_loss"] == ref_result["eval_loss"]
+    state = json.loads((Path(dp["out_dir"]) / "checkpoint" / "state.json").read_text())
+    assert (state["world_size"], state["lora_steps"]) == (2, 4)
+    assert (Path(dp["out_dir"]) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resume_under_another_world_size(two_ranks):
+    """The 2-rank checkpoint of step 1: one process with grad_accum 1 is refused, naming both sizes
+    and the fix; with grad_accum 2 it maps exactly and ends where the reference did."""
+    ref, _, dp, _, _, at_1 = two_ranks
+    cfg = T.TrainConfig(**dict(dp, out_dir=str(at_1), resume=True))
+    with pytest.raises(T.TrainError, match=r"made by 2 process\(es\) x --grad-accum 1 = 2 micro-batches a step, "
+                                           r"this run is 1 x 1 = 1.*pass --grad-accum 2 with these 1 processes"):
+        T.train(cfg)
+    cfg.grad_accum = 2
+    T.train(cfg)
+    a, b = _state(ref["out_dir"]), _state(at_1)
+    assert torch.equal(a["params"], b["params"]) and torch.equal(a["v"], b["v"])
+
+
+def test_three_ranks_with_sharded_weights_equal_one_process(setup):
+    """A Qwen2 layer's weights in thirds (27,904 values: the last part zero-padded), gathered one
+    layer ahead, forward and backward. To fp32 rounding: 3 partial gradients sum in gloo's order,
+    not the reference's. The bound, steps x lr x 2^-14 on every parameter, is 4 orders below what a
+    wrong scale, seed, bucket or gathered weight moves a parameter (about lr a step)."""
+    qwen2 = str(setup[0] / "qwen2")
+    ref = _cfg(setup, "ref3", grad_accum=3, save_every=2, model=qwen2)
+    T.train(T.TrainConfig(**ref))
+    dp = _cfg(setup, "dp3", save_every=2, shard_weights=True, model=qwen2)
+    _ok(run_ranks(3, dp))
+    a, b = _state(ref["out_dir"]), _state(dp["out_dir"])
+    torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=2 * 1e-1 * 2**-14)
+    assert [r["loss"] for r in _records_of(dp["out_dir"], "train")] == [r["loss"] for r in _records_of(ref["out_dir"], "train")]
+
+
+def test_a_killed_rank_stops_the_other(setup):
+    dp = _cfg(setup, "killed")
+    start = time.time()
+    (rc0, _, err0), (rc1, _, _) = run_ranks(2, dp, fault={"kind": "kill", "rank": 1, "step": 2}, deadline=300)
+    assert rc1 == -9 and rc0 == 2, err0[-2000:]
+    msg = _error_line(err0)
+    assert "rank 1 (PID" in msg and "exited during" in msg, msg
+    assert "the checkpoint of step 1 is saved" in msg and "--resume" in msg, msg
+    assert json.loads((Path(dp["out_dir"]) / "checkpoint" / "state.json").read_text())["step"] == 1
+    print(f"the survivor stopped {time.time() - start:.0f} s after the start")
+
+
+def test_nan_on_one_rank_stops_every_rank(setup):
+    dp = _cfg(setup, "nan")
+    results = run_ranks(2, dp, fault={"kind": "nan", "rank": 1, "step": 1})
+    assert [rc for rc, _, _ in results] == [2, 2], [e[-2000:] for _, _, e in results]
+    msgs = [_error_line(err) for _, _, err in results]
+    assert msgs[0] == msgs[1] and "loss is nan at step 1" in msgs[0], msgs
+
+
+def test_oom_on_one_rank_stops_every_rank(setup):
+    """In rank 1's backward of its top layer (3 layers, sharded weights): it issues the step's
+    remaining gathers (layer 0's) and all-reduces as its backward would have (offload.Gather.complete),
+    so rank 0 reaches the exchange; every rank names the OOM and keeps step 1."""
+    dp = _cfg(setup, "oom", shard_weights=True, model=str(setup[0] / "model3"))
+    results = run_ranks(2, dp, fault={"kind": "oom", "rank": 1, "step": 2})
+    assert [rc for rc, _, _ in results] == [2, 2], [e[-2000:] for _, _, e in results]
+    msgs = [_error_line(err) for _, _, err in results]
+    assert msgs[0] == msgs[1], msgs
+    assert "out of GPU memory" in msgs[0] and "rank 1: CUDA out of memory" in msgs[0], msgs[0]
+    assert "saved in" in msgs[0] and "--resume" in msgs[0], msgs[0]
+    assert json.loads((Path(dp["out_dir"]) / "checkpoint" / "state.json").read_text())["step"] == 1
+
+
+def test_lean_train_under_torchrun(setup):
+    root, _ = setup
+    out = root / "cli"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         "-m", "lean.cli", "--model", str(root / "model"), "--data", str(root / "data.jsonl"), "--out", str(out),
+         "--steps", "1", "--max-tokens", "32", "--lora-r", "2", "--targets", "down", "--heldout", "0", "--device", "cpu",
+         "--save-every", "0", "--sample-tokens", "0", "--no-tensorboard"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("lean-train: done: step 1") == 1  # rank 0 speaks
+    assert [r["step"] for r in _records_of(out, "train")] == [1]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_train_lora_script_under_torchrun(setup, tmp_path):
+    """tools/train_lora.py's loop on 2 processes: rank 0 prints the steps and writes the adapter."""
+    root, _ = setup
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         "tools/train_lora.py", f"model={root / 'model'}", f"data={root / 'data.jsonl'}", f"out_dir={tmp_path}",
+         "steps=1", "grad_accum=1", "max_tokens=32", "r=2", "targets=down", "heldout_fraction=0", "device=cpu",
+         "dtype=float32"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("step 1/1: loss") == 1 and (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_count_targets_equals_pack():
+    g = np.random.default_rng(int(torch.randint(1 << 30, (1,), generator=fresh_generator("cpu"))))
+    docs = [(g.integers(0, 50, n), g.random(n) < 0.6) for n in g.integers(1, 40, 7)] + [list(range(5))]
+    assert count_targets(docs) == pack(docs, 400, device="cpu").n_targets
+
+
+def test_gradient_buckets_cover_the_buffer_by_layer():
+    """Layer 0 alone (the last the backward finishes), then runs of layers of about the bucket size
+    going up; together one contiguous cover of lora.grads, launched top first."""
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model
+    from lean.runtime.lora import LoRA
+    from tests.hf_models import tiny_config
+
+    cfg = config_from_hf(dict(tiny_config("llama").to_dict(), num_hidden_layers=7))
+    lora = LoRA.init(empty_model(cfg, torch.float32, "cpu"), r=4, alpha=8)
+    per_layer = lora.numel // 7 * 4
+    red = GradReducer(lora, Dist(), bucket_bytes=2 * per_layer)
+    lows = [low for low, _ in red.buckets]
+    assert lows == [5, 3, 1, 0]  # layers 5-6, 3-4, 1-2, then 0 alone
+    starts = [(v.data_ptr() - lora.grads.data_ptr()) // 4 for _, v in red.buckets]
+    sizes = [v.numel() for _, v in red.buckets]
+    assert sum(sizes) == lora.numel
+    spans = sorted(zip(starts, sizes))
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+
+
+def test_sharded_plan_counts_the_buffers_and_prices_the_gathers():
+    """Qwen3-8B's shapes over 4 ranks: two rotating full layers in the peak; with a fast link only
+    layer 0's gather shows (every other one hides under a layer's compute), with a slow one the
+    gathers cost more and more; the printed plan says so."""
+    from lean.models.config import config_from_hf
+    from lean.models.presets import PRESETS
+    from lean.runtime.plan import DEFAULT_RATES, KEEP, gather_cost, layer_weight_bytes, make_plan
+    from lean.runtime.planner import format_plan
+
+    cfg = config_from_hf(PRESETS["qwen3-8b"])
+    layer = layer_weight_bytes(cfg, 0, 2, 4)
+    C = cfg.hidden  # q, o; k, v; gate, up, down; the two norms; the QK-norms (4 divides the sum): bf16
+    assert layer == 2 * (2 * C * (cfg.q_dim + cfg.kv_dim) + 3 * C * cfg.intermediate + 2 * C + 2 * cfg.head_dim)
+    keep = (KEEP,) * cfg.n_layers
+    plan = make_plan(cfg, 8192, keep, lora_rank=16, world=4)
+    assert plan.memory.gather == 2 * layer and plan.world == 4
+    assert make_plan(cfg, 8192, keep, lora_rank=16).memory.gather == 0
+    g0 = layer * 3 / 4 / DEFAULT_RATES.link
+    assert gather_cost(cfg, keep, 8192, 2, DEFAULT_RATES, 4) == pytest.approx(g0, rel=1e-12)
+    slow = [gather_cost(cfg, keep, 8192, 2, DEFAULT_RATES._replace(link=r), 4) for r in (20e9, 5e9, 1e9)]
+    assert g0 * 5 < slow[0] < slow[1] < slow[2]
+    assert "sharded weights over 4 ranks" in format_plan(plan)
+
+
+def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):
+    """A 3-layer model sharded over a 1-rank group in this process, under a plan that offloads layer
+    0 and recomputes layer 1 (the rebuild reads the gathered weights too): the step's gradients
+    equal the whole model's bit for bit, and the gathers are the ones the rotation needs: 4 in the
+    first step (layers 0, 1, 2 forward; 0 again in backward: 1 and 2 are still held), then 2 a step."""
+    import torch.distributed as tdist
+
+    from lean.runtime.loader import load_model
+    from lean.runtime.lora import LoRA
+    from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, make_plan
+    from lean.runtime.shard import shard_model
+    from lean.runtime.step import forward_backward
+
+    root, _ = setup
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        docs = [list(range(3, 20)), list(range(7, 18))]
+        grads, start = [], None
+        for sharded in (False, True):
+            model = load_model(root / "model3", dtype=torch.float32, device="cpu")
+            if sharded:
+                model = shard_model(model, Dist(), "cpu")
+                calls, real = [], tdist.all_gather_single
+                tdist.all_gather_single = lambda out, part, **kw: calls.append(out) or real(out, part, **kw)
+            lora = LoRA.init(model, r=4, alpha=8, targets=["down"], dropout=0.1, seed=1)
+            if start is None:  # B nonzero: every gradient flows
+                start = torch.rand(lora.numel, generator=fresh_generator("cpu")) - 0.5
+            lora.params.copy_(start)
+            lora.sync_lowp()
+            plan = make_plan(model.config, 32, (OFFLOAD, RECOMPUTE, KEEP), lora_rank=4, lora_targets=lora.targets,
+                             act_bytes=4)
+            per_step = []
+            for _ in range(2):
+                lora.zero_grad()
+                forward_backward(model, lora, pack(docs, 32, device="cpu"), plan=plan)
+                per_step.append(len(calls) if sharded else 0)
+            if sharded:
+                tdist.all_gather_single = real
+                assert per_step == [4, 6], per_step
+            grads.append(lora.grads.clone())
+        assert torch.equal(grads[0], grads[1])
+    finally:
+        tdist.destroy_process_group()

@@ -1,0 +1,171 @@
+"""The lm_head in host memory (lean/runtime/head_host.py): the fetch plan, the step with the head
+streamed in chunks against the step with it on the device, the planner's walk against the step's
+real allocations, and the planner taking the head off the GPU where nothing else fits.
+
+CPU: the copies run synchronously through the same plan and buffers (the GPU path adds streams and
+events: tests/test_head_host.py's gpu case and tests/test_offload.py's capture test)."""
+import pytest
+import torch
+
+import lean
+from lean.kernels.linear_ce_vchunk import DeviceChunks, linear_ce_vchunks
+from lean.models.config import config_from_hf
+from lean.models.presets import PRESETS
+from lean.runtime import head_host, offload
+from lean.runtime.head_host import HostHead, fetch_plan, head_to_host
+from lean.runtime.plan import (
+    GiB, KEEP, OFFLOAD, OFFLOAD_UP, SLACK, head_host_bytes, head_host_cost, make_plan, moe_step_bytes,
+)
+from lean.runtime.planner import format_plan, plan_step
+from lean.runtime.step import rope_tables
+from tests.test_linear_ce import make_inputs
+from tests.test_offload import LiveBytes, _batch, _lora, _model, _tiny
+from tests.util import fresh_generator
+
+K, O, U = KEEP, OFFLOAD, OFFLOAD_UP
+
+
+def _visits(n):
+    return list(range(n)) + list(reversed(range(n)))
+
+
+@pytest.mark.parametrize("order", [_visits(n) for n in range(1, 7)] + [list(range(n)) for n in (1, 2, 5)]
+                         + [[0, 2, 1, 0, 2, 2, 1]])
+def test_fetch_plan_reads_the_right_chunk_and_never_refills_early(order):
+    """Replay the plan: every visit finds its chunk in its buffer, a copy starts only after the last
+    visit that read the buffer before it, and the training order copies 2n - 2 chunks (n >= 2)."""
+    buf, copies = fetch_plan(order)
+    holder, last_read, by_visit = [None, None], [-1, -1], {k: (c, b, after) for k, c, b, after in copies}
+    for k, c in enumerate(order):
+        if k in by_visit:
+            cc, b, after = by_visit[k]
+            assert cc == c and b == buf[k]
+            assert after == last_read[b] and after < k  # issued once the buffer's last reader is done
+            holder[b] = c
+        assert holder[buf[k]] == c, f"visit {k} reads buffer {buf[k]} holding {holder[buf[k]]}, wants {c}"
+        last_read[buf[k]] = k
+    n = len(set(order))
+    if order == _visits(n):
+        assert len(copies) == max(n, 2 * n - 2)
+    if order == list(range(n)):
+        assert len(copies) == n
+
+
+@pytest.mark.parametrize("chunk_v,with_dh", [(40, True), (131, True), (29, False), (7, True)])
+def test_host_head_gives_the_device_chunks_bits(chunk_v, with_dh):
+    """The same kernels over the same chunks: HostHead's copies change nothing, bit for bit."""
+    g = fresh_generator("cpu")
+    h, w, targets = make_inputs(17, 131, 48, torch.float32, g)
+    outs = []
+    for src in (DeviceChunks(w, chunk_v), HostHead(w.clone(), "cpu", chunk_v)):
+        loss, dh = torch.empty(2), torch.empty_like(h) if with_dh else None
+        linear_ce_vchunks(loss, dh, h, src, targets, grad_scale=0.3)
+        outs.append((loss, dh))
+    assert torch.equal(outs[0][0], outs[1][0])
+    if with_dh:
+        assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("arch,modes", [("qwen3", (U, K)), ("llama", (O, K, U))], ids=["qwen3-untied", "llama-tied"])
+def test_step_with_the_head_on_the_host(monkeypatch, arch, modes):
+    """A tiny model's step and greedy logits with the head streamed in 3-4 chunks equal the step with
+    the head on the device (fp32: the loss's sum-exp and dh add their terms in another order), and the
+    walk's peak equals the bytes the step allocates. A tied table moves with the head."""
+    gen = fresh_generator("cpu")
+    config = _tiny(arch, len(modes)) | {"tie_word_embeddings": arch == "llama"}
+    model = _model(config, gen)
+    lora = _lora(model, 4, 0.0, gen)
+    batch = _batch(model, gen, 30 + int(torch.randint(0, 20, (1,), generator=gen)))
+    cfg, N = model.config, batch.n_tokens
+    rope_tables(model, batch)
+    lora.zero_grad()
+    loss0, _ = lean.forward_backward(model, lora, batch, seed=3)
+    grads0, logits0 = lora.grads.clone(), lean.forward(model, lora, batch)
+
+    rows = -(-cfg.vocab // 3) + 1  # 3 or 4 chunks, the last one short
+    monkeypatch.setattr(head_host, "CHUNK_BYTES", rows * cfg.hidden * 4)
+    tied = model.embed is model.lm_head
+    head_to_host(model)
+    src = model.cache["head"]
+    assert src.chunk_v == rows and src.n in (3, 4) and (model.embed is model.lm_head) == tied
+    plan = make_plan(cfg, N, modes, lora_rank=4, lora_targets=lora.targets, act_bytes=4, head_host=True)
+    assert plan.embed_host == tied and plan.memory.weights == head_host_bytes(cfg, 4)
+    offload.scheduler(model, plan, N)  # its buffers, made before the step (as a warm-up would)
+    lora.zero_grad()
+    with LiveBytes() as lb:
+        loss1, _ = lean.forward_backward(model, lora, batch, seed=3, plan=plan)
+    assert lb.peak - moe_step_bytes(cfg) == plan.memory.activations, (
+        f"allocated peak {lb.peak} B != predicted {plan.memory.activations} B (at {plan.peak_at})")
+    assert torch.allclose(loss1, loss0, rtol=1e-6, atol=0), (loss1, loss0)
+    err = (lora.grads - grads0).abs().max() / grads0.abs().max()
+    assert err < 1e-5, err
+    logits1 = lean.forward(model, lora, batch)
+    assert (logits1 - logits0).abs().max() <= 1e-6 * logits0.abs().max()
+
+
+def _qwen3_14b_nf4():
+    cfg = config_from_hf(PRESETS["qwen3-14b"])
+    from dataclasses import replace
+    return replace(cfg, weight_quant="nf4")
+
+
+def test_planner_streams_the_head_only_where_it_pays():
+    """Qwen3-14B in NF4 at 2048 tokens (weights: the NF4 layers, 6.35 GiB, plus the bf16 embedding and
+    lm_head): 12 GiB fits with the head on the GPU; 8.5 GiB fits only with it on the host, which the
+    plan says; 7 GiB fits nothing, and the error says how far the head-on-host plan is."""
+    cfg = _qwen3_14b_nf4()
+    N, table = 2048, cfg.vocab * cfg.hidden * 2
+    w = int(6.35 * GiB) + 2 * table
+    kw = dict(embed_bytes=table, head_bytes=table)
+    roomy = plan_step(cfg, N, 16, 12 * GiB, w, **kw)
+    assert not roomy.head_host
+    tight = plan_step(cfg, N, 16, int(8.5 * GiB), w, **kw)
+    assert tight.head_host and tight.embed_host and tight.memory.peak + SLACK <= 8.5 * GiB, format_plan(tight)
+    assert tight.memory.weights == w - 2 * table + head_host_bytes(cfg, 2)
+    assert tight.cost > head_host_cost(cfg, N, 2, tight.rates) > 0
+    assert "lm_head: pinned host memory (1.45 GiB off the GPU" in format_plan(tight)
+    # without the option the same budget fails: the head is what makes it fit
+    with pytest.raises(lean.runtime.plan.PlanError, match="too small"):
+        plan_step(cfg, N, 16, int(8.5 * GiB), w, embed_bytes=table)
+    with pytest.raises(lean.runtime.plan.PlanError, match="too small"):
+        plan_step(cfg, N, 16, 7 * GiB, w, **kw)
+    # a head already on the host: every plan streams it, the weights count its buffers only
+    again = plan_step(cfg, N, 16, int(8.5 * GiB), w - table, embed_bytes=table, head_on_host=True)
+    assert again.head_host and again.memory == tight.memory
+
+
+@pytest.mark.gpu
+def test_streamed_head_step_equals_the_device_head_step_gpu():
+    """bf16, Qwen3-8B's width and 151936-row vocabulary, 2 layers, 4096 packed tokens: the streamed
+    loss and gradients against the head on the device (the same math; sum-exp and dh add their terms
+    in another order), no host sync in the streamed step, and the captured step's loss equal to the
+    eager one's on the same parameters."""
+    from lean.runtime.graph import StepGraph
+
+    gen = fresh_generator("cuda")
+    model = _model(dict(PRESETS["qwen3-8b"], num_hidden_layers=2), gen, dtype=torch.bfloat16, device="cuda")
+    lora = _lora(model, 16, 0.0, gen)
+    batch = _batch(model, gen, 4096, device="cuda", mean=512)
+    lora.zero_grad()
+    loss0, _ = lean.forward_backward(model, lora, batch, seed=1)
+    grads0 = lora.grads.clone()
+    head_to_host(model)
+    assert model.lm_head.device.type == "cpu" and model.lm_head.is_pinned() and model.cache["head"].n > 2
+    lora.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss1, _ = lean.forward_backward(model, lora, batch, seed=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert abs(loss1.item() - loss0.item()) <= 1e-4 * abs(loss0.item()), (loss1.item(), loss0.item())
+    err = ((lora.grads - grads0).norm() / grads0.norm()).item()
+    assert err < 1e-2, err  # bf16 dh: one rounding either way, of sums added in another order
+    graph = StepGraph(model, lora, lean.AdamW(lora, lr=1e-4), budget=4096, max_docs=64)
+    ids = batch.host[:batch.n_tokens].tolist()
+    docs, start = [], 0
+    for n in batch.doc_lens:
+        docs.append(ids[start:start + n])
+        start += n
+    loss2 = graph.step(graph.pack(docs))[0]
+    assert abs(loss2.item() - loss1.item()) <= 1e-4 * abs(loss1.item()), (loss2.item(), loss1.item())

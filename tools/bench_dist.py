@@ -1,0 +1,289 @@
+"""bench step --nproc N: lean's data-parallel step on N GPUs beside its one-GPU row, and HF+PEFT
+(DDP through `accelerate launch`) beside its own, all from one commit in one run.
+
+    python tools/bench.py step --nproc 2 --models llama-3.2-1b,qwen3-8b --graph
+    python tools/bench.py step --nproc 4 --models qwen3-8b --shard-weights     # + the sharded row
+    tools/gpu_check.sh dist 2 --models llama-3.2-1b                          # the same, in one device call
+
+Weak scaling (BENCHMARKS.md's goal: >= 0.92 of N x the one-GPU tokens/s): every rank steps its own
+8192 tokens (the layout's document lengths, token ids drawn per rank) through the whole optimizer
+step, so a step trains N x 8192 tokens. The one-GPU rows are bench_step's own (tools/bench_step.py,
+one process each, measured in this run); the N-GPU rows run here as one process per GPU:
+  lean xN          torchrun; lean.forward_backward with the gradient's bucketed all-reduce under the
+                   backward (lean.runtime.dist.GradReducer), the loss normalised by every rank's
+                   targets, lean.AdamW; --graph: the step with its all-reduce captured in one
+                   StepGraph (the row says if the capture fell back to eager)
+  lean xN sharded  (--shard-weights) the same with every layer's frozen weights sharded over the
+                   ranks and all-gathered one layer ahead (lean.runtime.shard); goal: >= 0.85 of the
+                   unsharded row's tokens/s, and a per-GPU peak under a quarter of the weights plus
+                   the one-layer working set on 4 GPUs (the row prints both numbers)
+  HF+PEFT xN       `accelerate launch --multi_gpu` (torch DDP under accelerate), the peer's usual
+                   multi-GPU path; skipped with a note when accelerate is not installed
+  Unsloth xN       (--peers with unsloth) Unsloth's documented multi-GPU mode: its model on each
+                   rank's GPU (device_map) under `accelerate launch` (DDP); the row fails with the
+                   peer's own message if Unsloth does not run so there
+Timing: as bench_step (median of --steps CUDA-event-timed steps after 3 warm-ups); each rank times
+its own steps and the row takes the slowest rank's median (the step is synchronous across ranks
+through its all-reduce). Peak: the largest torch.cuda.max_memory_allocated over the ranks, from
+a reset after the setup (weights, LoRA and optimizer state stay counted; a sharded model is sharded
+before the reset). Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
+Caution: nothing here has run on several GPUs yet (no such machine was lent while it was written);
+`--smoke` runs the lean rows on the CPU with gloo (2 processes, tiny configs) to test the harness.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.dirname(TOOLS))
+import bench_step  # noqa: E402
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# =============================================================================================
+# one rank of lean's row (under torchrun)
+# =============================================================================================
+def lean_rank(args):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lean.runtime.dist import GradReducer, start
+    from lean.runtime.shard import shard_model
+
+    d = start(SimpleNamespace(device="cpu" if args.smoke else None, dist_timeout=600))
+    lean, model = bench_step.random_model(args.model, d.device, torch.float32 if args.smoke else torch.bfloat16,
+                                          args.smoke)  # the same seed on every rank: the same weights
+    if args.shard:
+        model = shard_model(model, d, d.device)
+    cuda = d.device.startswith("cuda")
+    total = bench_step.SMOKE_TOKENS if args.smoke else bench_step.TOKENS
+    lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=0.0, seed=0)
+    opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
+    reducer = GradReducer(lora, d)
+    rng = np.random.default_rng(1 + d.rank)  # this rank's own token ids, the layout's lengths
+    docs = [[rng.integers(0, model.config.vocab, n).tolist() for n in bench_step.doc_lengths(args.layout, total)]
+            for _ in range(2)]
+    note, graph = [], None
+    if args.graph and cuda:
+        try:
+            graph = lean.StepGraph(model, lora, opt, budget=total, max_docs=bench_step.MAX_DOCS, reducer=reducer)
+        except Exception as e:  # noqa: BLE001 - the row says so and runs eagerly
+            note.append(f"graph capture failed on rank {d.rank} ({type(e).__name__}: {str(e)[:120]}): eager")
+        failed = d.exchange([graph is None])[0]
+        graph = graph if not failed else None
+    if graph is not None:
+        fixed = [graph.pack(x) for x in docs]
+        n = d.world * fixed[0].n_targets  # every rank's batch has the same targets (the same lengths)
+
+        def step(i):  # this rank's mean loss
+            return graph.step(fixed[i % 2], n_targets=n)[0] / fixed[i % 2].n_targets
+    else:
+        batches = [lean.pack(x, max_tokens=total, device=d.device) for x in docs]
+        n = d.world * batches[0].n_targets
+
+        def step(i):
+            lora.zero_grad()
+            reducer.begin()
+            loss, _ = lean.forward_backward(model, lora, batches[i % 2], grad_scale=1.0 / n, reducer=reducer)
+            reducer.finish()
+            opt.step()
+            return loss / batches[i % 2].n_targets  # this rank's mean loss
+    if cuda:
+        torch.cuda.synchronize()  # sync: setup done
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t, loss = bench_step.time_steps(step, bench_step.WARMUP if not args.smoke else 1, args.steps, cuda)
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    stats = torch.tensor([t, float(peak)], dtype=torch.float64, device=d.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    t, peak = stats.tolist()  # sync: the row's numbers
+    if d.main:
+        weights = sum(x.numel() * x.element_size() for layer in model.layers for x in (layer.buf, layer.qbuf))
+        row = dict(framework="lean", nproc=d.world, model=args.model, layout=args.layout, sharded=args.shard,
+                   graph=graph is not None, ms=t * 1e3, tokens_per_s=d.world * total / t, peak_gib=peak / 2**30,
+                   layer_gib_per_rank=weights / 2**30, loss=loss, note="; ".join(note))
+        print("ROW " + json.dumps(row), flush=True)
+    d.close()
+
+
+# =============================================================================================
+# one rank of HF+PEFT's row (under accelerate launch)
+# =============================================================================================
+def _unsloth_model(name, local_rank):
+    """Unsloth's LoRA model of the bench config on this rank's GPU (its DDP guide: device_map)."""
+    import bench_peers
+
+    bench_peers.preload_cudart()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    from unsloth import FastLanguageModel  # before transformers and peft: it patches them
+
+    model, _ = FastLanguageModel.from_pretrained(bench_peers.ensure_folder(name, False), max_seq_length=bench_step.TOKENS,
+                                                 dtype=torch.bfloat16, device_map={"": local_rank})
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=bench_peers.TARGETS,
+                                             bias="none", use_gradient_checkpointing=False, random_state=0)
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=False)
+    return model
+
+
+def hf_rank(args):
+    """One rank of HF+PEFT's (or, role unsloth-rank, Unsloth's) row under accelerate launch."""
+    from accelerate import Accelerator
+
+    import bench_peers
+
+    acc = Accelerator()
+    device = acc.device
+    if args.role == "unsloth-rank":
+        model = _unsloth_model(args.model, acc.local_process_index)
+    else:
+        model = bench_peers.peft_wrap(bench_peers.build_hf(args.model, False, device, torch.bfloat16),
+                                      bench_step.is_moe(args.model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    model, opt = acc.prepare(model, opt)
+    batches = [bench_peers.hf_inputs(args.layout, model.module.config.vocab_size if hasattr(model, "module")
+                                     else model.config.vocab_size, bench_step.TOKENS, device, seed=s + 100 * acc.process_index)[0]
+               for s in range(2)]
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batches[i % 2], use_cache=False).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.detach()
+
+    torch.cuda.synchronize()  # sync: setup done
+    torch.cuda.reset_peak_memory_stats()
+    t, loss = bench_step.time_steps(step, bench_step.WARMUP, args.steps, True)
+    import torch.distributed as dist
+
+    stats = torch.tensor([t, float(torch.cuda.max_memory_allocated())], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank's median, the largest peak
+    t, peak = stats.tolist()
+    if acc.is_main_process:
+        row = dict(framework="unsloth" if args.role == "unsloth-rank" else "hf", nproc=acc.num_processes,
+                   model=args.model, layout=args.layout, sharded=False, graph=False, ms=t * 1e3,
+                   tokens_per_s=acc.num_processes * bench_step.TOKENS / t, peak_gib=peak / 2**30, loss=loss,
+                   note="accelerate launch (DDP)")
+        print("ROW " + json.dumps(row), flush=True)
+
+
+# =============================================================================================
+# the parent: one-GPU rows (bench_step's), then the N-GPU rows
+# =============================================================================================
+def _launch(cmd, timeout, env):
+    """Run one multi-process row; its ROW line, or an error row with the output's tail."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(TOOLS))
+    except subprocess.TimeoutExpired:
+        return dict(status="failed", note=f"killed at {timeout} s")
+    rows = [json.loads(x[4:]) for x in res.stdout.splitlines() if x.startswith("ROW ")]
+    if res.returncode != 0 or not rows:
+        return dict(status="failed", note=f"exit {res.returncode}: " + " | ".join((res.stderr or res.stdout).strip().splitlines()[-4:]))
+    return dict(rows[-1], status="ok")
+
+
+def _one_gpu(framework, model, layout, steps, smoke, graph, timeout):
+    """bench_step's one-process rows of a framework (lean: eager, and lean+graph with --graph)."""
+    raw = bench_step.run_child(framework, model, layout, steps, bench_step.WARMUP, smoke, graph, timeout)
+    named = [(raw, framework)] if "status" in raw else (
+        bench_step.split_lean_row(raw) if framework == "lean" else [(raw, framework)])
+    return [dict(r, framework=name, nproc=1, model=model, layout=layout, status=r.get("status", "ok"),
+                 tokens_per_s=r["tokens"] / (r["ms"] / 1e3) if "ms" in r else None) for r, name in named]
+
+
+def _named(row, sharded=False):
+    """A lean N-GPU row named as its one-GPU counterpart (lean, lean+graph), plus " sharded"."""
+    name = "lean+graph" if row.get("graph") else "lean"
+    return dict(row, framework=name + " sharded" * sharded)
+
+
+def nproc_rows(model, layout, nproc, steps, graph, shard, peers, smoke, timeout):
+    """The one-GPU rows and the N-GPU rows of one model and layout."""
+    env = dict(os.environ, **MULTICAST_OFF)
+    rows = _one_gpu("lean", model, layout, steps, smoke, graph, timeout)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(29500 + os.getpid() % 1000), os.path.join(TOOLS, "bench_dist.py"), "lean-rank", "--model", model,
+                "--layout", layout, "--steps", str(steps)] + ["--graph"] * graph + ["--smoke"] * smoke
+    rows.append(_named(dict(_launch(torchrun, timeout, env), nproc=nproc, model=model, layout=layout, graph=graph)))
+    if shard:
+        rows.append(_named(dict(_launch(torchrun + ["--shard"], timeout, env), nproc=nproc, model=model,
+                                layout=layout, graph=graph), sharded=True))
+    for peer in [p for p in ("hf", "unsloth") if p in peers and not smoke]:
+        rows += _one_gpu(peer, model, layout, steps, smoke, False, timeout)
+        missing = [m for m in ("accelerate", "peft" if peer == "hf" else "unsloth") if importlib.util.find_spec(m) is None]
+        if missing:
+            rows.append(dict(status="skipped", framework=peer, nproc=nproc, model=model, layout=layout,
+                             note=f"{', '.join(missing)} not installed (tools/fetch_wheels.sh: .whl/a, .whl/b): skipped"))
+            continue
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+               "--mixed_precision", "no", os.path.join(TOOLS, "bench_dist.py"), f"{peer}-rank", "--model", model,
+               "--layout", layout, "--steps", str(steps)]
+        rows.append(dict(_launch(cmd, timeout, env), framework=peer, nproc=nproc, model=model, layout=layout))
+    return rows
+
+
+def table(rows):
+    """The rows with their scaling efficiency against the same framework's one-GPU row."""
+    one = {(r["framework"], r["model"], r["layout"]): r.get("tokens_per_s") for r in rows if r.get("nproc") == 1}
+    unsharded = {(r["framework"], r["model"], r["layout"]): r.get("tokens_per_s") for r in rows
+                 if r.get("nproc", 1) > 1}
+    out = [f"{'model':14} {'layout':7} {'framework':14} {'GPUs':>4} {'tok/s':>10} {'efficiency':>10} {'peak GiB':>9}  note"]
+    for r in rows:
+        plain = r["framework"].removesuffix(" sharded")
+        base = one.get((plain, r["model"], r["layout"]))
+        tps = r.get("tokens_per_s")
+        eff = f"{tps / (r['nproc'] * base):.3f}" if tps and base and r["nproc"] > 1 else ""
+        note = r.get("note", "")
+        ref = unsharded.get((plain, r["model"], r["layout"]))
+        if r["framework"].endswith(" sharded") and tps and ref:
+            note = (f"{tps / ref:.3f} of unsharded; layers {r.get('layer_gib_per_rank', 0):.2f} GiB a rank; "
+                    f"{note}").rstrip("; ")
+        shown = f"{tps:,.0f}" if tps else r.get("status", "")
+        out.append(f"{r['model']:14} {r['layout']:7} {r['framework']:14} {r['nproc']:>4} {shown:>10} {eff:>10} "
+                   f"{r.get('peak_gib', 0) or 0:>9.2f}  {note}")
+    return "\n".join(out)
+
+
+def main(models, layouts, nproc, steps, graph=False, shard=False, peers=("hf",), smoke=False, json_path=None,
+         timeout=600):
+    if not smoke and torch.cuda.device_count() < nproc:
+        raise SystemExit(f"bench step --nproc {nproc}: this machine has {torch.cuda.device_count()} GPU(s)")
+    rows = []
+    for m in models:
+        for layout in layouts:
+            for r in nproc_rows(m, layout, nproc, steps, graph, shard, peers, smoke, timeout):
+                print("row " + json.dumps(r), flush=True)
+                rows.append(r)
+    print(table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(rows=rows, nproc=nproc, smoke=smoke), f, indent=1)
+
+
+def _child():
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["lean-rank", "hf-rank", "unsloth-rank"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--layout", default="packed")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--graph", action="store_true")
+    p.add_argument("--shard", action="store_true")
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    (lean_rank if args.role == "lean-rank" else hf_rank)(args)
+
+
+if __name__ == "__main__":
+    _child()

@@ -10,6 +10,8 @@ is the run's --model: read from its checkpoint's settings (checkpoint/state.json
 adapter's base_model_name_or_path; --model overrides both. A .gguf base (the default SmolLM2) is
 read through lean's converted folder of it (~/.cache/lean/gguf), and an adapter's Modelfile then
 names that .gguf as its FROM. Each GGUF gets a <stem>.Modelfile beside it (`ollama create NAME -f`).
+On a GPU (--device, cuda where there is one) the adapter is folded in and Q8_0 / Q4_K / Q6_K are
+quantised there by lean's Triton kernels; --device cpu does it all with numpy on the host.
 The file is written atomically (lean/runtime/gguf_export.py): an export that fails leaves nothing
 under the final name. Errors exit with status 2 and one line (the cause and the fix); Ctrl-C with
 130, saying nothing was written.
@@ -88,10 +90,26 @@ def build_parser():
                    "fold the adapter into the NF4 base it trained on (read from the run's checkpoint when it has one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the run's --dtype, for "
                    "--load-in-4bit (default: what the run recorded, else bfloat16 on a GPU, float32 without)")
-    p.add_argument("--device", help="fold the adapter in with lean's matmul kernel on this torch device "
-                   "(e.g. cuda; default: numpy on the host)")
+    p.add_argument("--device", help="where the adapter is folded in and the weights quantised: cuda (or cuda:N): "
+                   "lean's Triton kernels on that GPU; cpu: numpy on the host (default: cuda where there is one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def export_device(device=None):
+    """--device: the torch device the export merges and quantises on, or None for numpy on the host
+    (cpu: lean's kernels there would run in Triton's interpreter). Default: cuda where there is one."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return None
+    from .runtime.gguf import GGUFError
+    if not device.startswith("cuda"):
+        raise GGUFError(f"--device {device}: the export runs on cuda (or cuda:N) or cpu; pass one of those")
+    if not torch.cuda.is_available():
+        raise GGUFError(f"--device {device}: this machine has no CUDA GPU; pass --device cpu (numpy on the host)")
+    return device
 
 
 def main(argv=None) -> int:
@@ -100,8 +118,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         path = export_run(args.run_dir, args.gguf, args.out, model=args.model, adapter_only=args.adapter,
-                          device=args.device, progress=not args.quiet, quant="nf4" if args.load_in_4bit else None,
-                          dtype=args.dtype)
+                          device=export_device(args.device), progress=not args.quiet,
+                          quant="nf4" if args.load_in_4bit else None, dtype=args.dtype)
     except KeyboardInterrupt:
         print("lean-export: interrupted: nothing was written under the final name", file=sys.stderr)
         return 130

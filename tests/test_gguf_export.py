@@ -345,8 +345,74 @@ def test_merge_on_a_device_equals_numpy(tmp_path):
     src, idx = Shards(model_dir), np.arange(3, 40)
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         host = merged_rows(src, adapters[name], name, None, idx)
-        dev = merged_rows(src, adapters[name], name, None, idx, device="cpu")
-        np.testing.assert_allclose(dev, host, rtol=0, atol=1e-6 * np.abs(host).max())
+        dev = merged_rows(src, adapters[name], name, None, idx, device="cpu")  # a torch tensor there
+        np.testing.assert_allclose(dev.numpy(), host, rtol=0, atol=1e-6 * np.abs(host).max())
+        plain = merged_rows(src, None, name, None, idx[::-1].copy(), device="cpu")  # read as stored, gathered
+        assert np.array_equal(plain.numpy(), merged_rows(src, None, name, None, idx[::-1].copy()))
+
+
+def _k_quant_llama(tmp_path):
+    """A Llama as small as whole Q4_K super-blocks allow (the interpreter takes ~2 s a program of 64):
+    one layer, rows of 256 where a K-quant is wanted, a tied embedding (Q4_K_M gives it Q6_K, and
+    attn_v of a one-layer model), the LoRA on q alone."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=V, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    return tiny_setup(tmp_path, "llama", config, targets="q")[:2]
+
+
+def _same_bytes_both_quantizers(tmp_path, model_dir, adapter_dir, device):
+    """Export at Q8_0 and Q4_K_M on `device` with quantizer "triton" and "numpy": every tensor's type and
+    bytes equal; returns the Q4_K_M file's {name: type name} and the host export's tensors."""
+    for t, want in (("Q8_0", {"Q8_0", "F32"}), ("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"})):
+        triton, numpy = (read_gguf(export_model(model_dir, tmp_path / f"{q}-{t}.gguf", t, adapter_dir, device=device,
+                                                quantizer=q, progress=False))[0] for q in ("triton", "numpy"))
+        host = read_gguf(export_model(model_dir, tmp_path / f"host-{t}.gguf", t, adapter_dir, progress=False))[0]
+        types = {name: gguf.GGMLQuantizationType(q).name for name, (q, _, _) in triton.items()}
+        assert set(types.values()) == want, types
+        assert set(triton) == set(numpy) == set(host)
+        for name, (q, raw, _) in numpy.items():
+            assert triton[name][0] == q and np.array_equal(triton[name][1], raw), name
+    return types, host
+
+
+def test_triton_quantizer_writes_the_numpy_bytes(tmp_path):
+    """The GPU path of the writer (quantizer "triton": each chunk merged by lean's matmul and quantised by
+    kernels/gguf_quant.py on the device, the bytes copied back), run on a CPU device through the
+    interpreter, writes the file the numpy quantiser writes from the same merged rows (device "cpu"),
+    byte for byte, at Q8_0 and Q4_K_M; the tensors without a LoRA equal the host export's too."""
+    from lean.kernels.gguf_quant import QTYPES
+    from lean.runtime.gguf_write import GPU_QTYPES
+
+    model_dir, adapter_dir = _k_quant_llama(tmp_path)
+    types, host = _same_bytes_both_quantizers(tmp_path, model_dir, adapter_dir, "cpu")
+    numpy = read_gguf(tmp_path / "numpy-Q4_K_M.gguf")[0]
+    for name in host:
+        assert name == "blk.0.attn_q.weight" or np.array_equal(host[name][1], numpy[name][1]), name
+    assert {n for n, q in types.items() if q in ("Q4_K", "Q6_K")} == {  # Q4_K_M: what the kernels wrote
+        "blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight",
+        "blk.0.attn_v.weight", "token_embd.weight"}
+    assert sorted(GPU_QTYPES) == sorted(QTYPES)  # the writer's list of the kernels' types
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # the interpreter's NaN
+def test_nan_in_the_weights_is_refused_on_both_paths(tmp_path):
+    """A NaN in a base weight stops the export with its tensor and rows named, numpy and Triton path
+    alike (the device's check comes back with the chunk's bytes), and leaves no file."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", targets="q")
+    f = model_dir / "model.safetensors"
+    state = load_file(str(f))
+    state["model.layers.1.mlp.up_proj.weight"][7, 3] = float("nan")
+    save_file(state, str(f), {"format": "pt"})
+    for kw in ({}, {"device": "cpu", "quantizer": "triton"}):
+        with pytest.raises(GGUFError, match=r"blk\.1\.ffn_up\.weight: rows 0\.\.\d+ hold NaN or inf, which Q8_0 "
+                                            r"cannot encode.*fix the weights"):
+            export_model(model_dir, tmp_path / "m.gguf", "Q8_0", adapter_dir, progress=False, **kw)
+        _no_files(tmp_path)
 
 
 def test_export_streams_by_chunks(tmp_path, monkeypatch):
@@ -504,6 +570,8 @@ def test_lean_train_export_gguf_then_lean_export(tmp_path, capsys):
     assert "holds no adapter" in capsys.readouterr().err and not list((tmp_path / "empty").iterdir())
     assert export_main([str(run), "--gguf", "BF16", "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist: check the path" in capsys.readouterr().err
+    assert export_main([str(run), "--gguf", "Q8_0", "--device", "mps"]) == 2
+    assert "--device mps: the export runs on cuda (or cuda:N) or cpu" in capsys.readouterr().err
 
 
 def test_qlora_run_exports_onto_its_nf4_base(tmp_path):
@@ -529,6 +597,18 @@ def test_qlora_run_exports_onto_its_nf4_base(tmp_path):
     assert (got[name] - plain[name]).abs().max() > 1e-3  # onto the float base instead: NF4's rounding shows
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_gpu_export_quantises_there_to_the_numpy_bytes(tmp_path, monkeypatch):
+    """lean-export on a GPU: every chunk read into pinned memory, merged and quantised on the device by
+    WORKERS threads on their own streams, its bytes copied back and written in order: the same file as
+    numpy's quantiser on the same merged rows, at Q8_0 and Q4_K_M, with chunks of 16 rows (many in flight)."""
+    import lean.runtime.gguf_write as X
+
+    monkeypatch.setattr(X, "CHUNK_BYTES", 16 * 256 * 4)
+    model_dir, adapter_dir = _k_quant_llama(tmp_path)
+    _same_bytes_both_quantizers(tmp_path, model_dir, adapter_dir, "cuda")
 
 
 @pytest.mark.gpu

@@ -21,9 +21,12 @@ and bytes llama-quantize gives lean's F32 export. Bytes: gguf_quants.quantize (g
 Tensor order: token_embd, each layer in ascending order, output_norm, output (llama.cpp's loader
 sorts by block number itself, and q4_k_m_types counts attn_v in that order).
 
-Merging: numpy fp32 on the host (device None), or lean's matmul kernel on a torch device (fp32,
-IEEE products; lean-train --export-gguf on a GPU folds each chunk in there). A QLoRA run (quant
-"nf4") folds its adapter into the NF4 base it trained on (gguf_source.Nf4Base), as --merge does.
+Merging and quantising: numpy on the host (device None), or on a torch device: lean's matmul
+kernel folds the LoRA in (fp32, IEEE products) and, on a CUDA device, kernels/gguf_quant.py writes
+the Q8_0 / Q4_K / Q6_K bytes there (the same bytes; gguf_write.py's docstring says which type is
+quantised where). lean-export and lean-train --export-gguf use the GPU where there is one. A QLoRA
+run (quant "nf4") folds its adapter into the NF4 base it trained on (gguf_source.Nf4Base), as
+--merge does.
 
 Metadata (gguf_names' tables): general.{architecture, type, name, file_type, quantization_version},
 {arch}.* hparams (context length, sizes, head counts and head_dim, norm eps, rope theta, vocab size;
@@ -194,9 +197,11 @@ def model_metadata(cfg, name: str, file_type) -> dict:
 # ----------------------------------------------------------------------------- the two exports
 
 def export_model(model_dir, out, gguf_type="Q8_0", adapter_dir=None, *, name=None, device=None,
-                 progress=True, modelfile=True, quant=None, quant_dtype=None) -> Path:
+                 progress=True, modelfile=True, quant=None, quant_dtype=None, quantizer=None) -> Path:
     """Write the model in model_dir (with the adapter in adapter_dir folded in) as a GGUF at out;
-    device: None merges with numpy on the host, a torch device with lean's matmul kernel there.
+    device: None merges with numpy on the host, a torch device with lean's matmul kernel there;
+    quantizer: None (Triton's kernels on a CUDA device, numpy otherwise), "numpy" or "triton"
+    (write_gguf; "triton" on a CPU device runs them in the interpreter: the tests).
     quant "nf4" (a QLoRA run): the adapter is folded into the NF4 base it trained on (Nf4Base; its
     projections quantised from quant_dtype, the run's dtype: bfloat16 on a GPU, float32 without)."""
     from .gguf_modelfile import write_modelfile
@@ -229,7 +234,7 @@ def export_model(model_dir, out, gguf_type="Q8_0", adapter_dir=None, *, name=Non
     if missing:
         raise GGUFError(f"{model_dir}: tensor {missing[0]} is not in the safetensors shards: point at the "
                         "model folder the run trained on")
-    path = write_gguf(out, cfg.arch, meta, plan, src, device, progress)
+    path = write_gguf(out, cfg.arch, meta, plan, src, device, progress, quantizer)
     if modelfile:
         write_modelfile(path, vocab)
     return path

@@ -5,7 +5,8 @@ Shape legend: O / K a weight's output / input dims (HF's (out, in) orientation),
 
     src = Shards(model_dir)                             # the safetensors shards' headers (lazy reads)
     lora = load_adapter(model_dir, adapter_dir)         # the PEFT adapter, validated by lean's loader
-    w = merged_rows(src, lora, name, e, idx)            # (len(idx), K) float32
+    w = merged_rows(src, lora, name, e, idx)            # (len(idx), K) float32 numpy
+    w = merged_rows(src, lora, name, e, idx, device=d)  # the same, a torch tensor on device d
 
 merged_rows(src, lora, name, e, idx) = (W[e] (out, in))[idx] + scale * B[e][idx] @ A[e]:
   - W's rows read with pread from the shard (Shards: the byte span of the rows asked for, one
@@ -16,7 +17,11 @@ merged_rows(src, lora, name, e, idx) = (W[e] (out, in))[idx] + scale * B[e][idx]
   - the hub's per-expert Qwen3-MoE tensors (mlp.experts.{e}.gate_proj.weight ...) stand in for the
     fused ones (rows [0, Fe) of gate_up from gate_proj, [Fe, 2Fe) from up_proj);
   - the LoRA product is added in fp32: numpy on the host (device None), or lean's matmul kernel
-    (W += scale * B A, kernels/gemm.py, as merge.py) on a torch device, the rows copied there and back.
+    (W += scale * B A, kernels/gemm.py, as merge.py) on a torch device, where the rows then stay (a
+    torch fp32 tensor there: the export quantises them there, or copies them back). A plain stored
+    weight goes there as stored (Shards.rows_on: read into pinned host memory on a GPU, copied over
+    asynchronously, widened there: bf16 moves half the bytes of its fp32); the others are decoded on
+    the host and copied over.
 The adapter is read by lean's own PEFT loader (LoRA.load) onto a stand-in model that holds the
 config only (no weights): the same checks as training's (shapes, ranks, targets, patterns).
 Tested: tests/test_gguf_export.py (merged rows against W + scale B A in torch on every architecture,
@@ -24,6 +29,7 @@ the matmul path against numpy, MXFP4 against kernels/mxfp4.py's reference).
 """
 import json
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,10 +38,14 @@ import torch
 
 from .gguf import GGUFError
 
+# Triton launches from the export's worker threads (gguf_write.py), one thread at a time: Triton's
+# runtime does not guard its compile and caches against threads. A launch only enqueues.
+LAUNCH = threading.Lock()
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8, "I8": np.int8}
+_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8, "I8": torch.int8}
 
 
 class Shards:
@@ -75,18 +85,33 @@ class Shards:
     def shape(self, name):
         return self.meta[name][2]
 
-    def raw(self, name, lo, hi, e=None) -> np.ndarray:
-        """Rows lo..hi along dim 0 (or dim 1 of expert e) of `name`, in the stored dtype."""
+    def _span(self, name, lo, hi, e):
+        """(file, byte offset, byte count, shape of a row) of rows lo..hi (of expert e) of `name`."""
         f, dtype, shape, offset, _ = self.meta[name]
         inner = shape[2:] if e is not None else shape[1:]
         row = int(np.prod(inner, dtype=np.int64)) * np.dtype(dtype).itemsize
-        start = offset + ((e * shape[1] if e is not None else 0) + lo) * row
-        size = (hi - lo) * row
+        return f, offset + ((e * shape[1] if e is not None else 0) + lo) * row, (hi - lo) * row, inner
+
+    def raw(self, name, lo, hi, e=None) -> np.ndarray:
+        """Rows lo..hi along dim 0 (or dim 1 of expert e) of `name`, in the stored dtype."""
+        f, start, size, inner = self._span(name, lo, hi, e)
         with open(f, "rb") as fh:
             data = os.pread(fh.fileno(), size, start)
         if len(data) != size:
             raise GGUFError(f"{f} is truncated (tensor {name}): download the model again")
-        return np.frombuffer(data, dtype=dtype).reshape(hi - lo, *inner)
+        return np.frombuffer(data, dtype=self.meta[name][1]).reshape(hi - lo, *inner)
+
+    def rows_on(self, device, name, lo, hi, e=None) -> torch.Tensor:
+        """rows() as an fp32 tensor on torch `device`: the stored bytes read straight into host memory
+        (pinned on a GPU: the copy over is asynchronous, on the current stream), widened there."""
+        f, start, size, inner = self._span(name, lo, hi, e)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        with open(f, "rb") as fh:
+            got = os.preadv(fh.fileno(), [host.numpy()], start)
+        if got != size:
+            raise GGUFError(f"{f} is truncated (tensor {name}): download the model again")
+        stored = host.to(device, non_blocking=True).view(_TORCH[self.meta[name][4]])
+        return stored.reshape(hi - lo, *inner).float()
 
     def rows(self, name, lo, hi, e=None) -> np.ndarray:
         """Rows lo..hi of tensor `name` (of expert e), fp32."""
@@ -143,33 +168,49 @@ class Nf4Base:
     def weight(self, src, name) -> np.ndarray:
         from ..kernels.nf4 import empty_nf4, nf4_quantize
 
-        if name != self.name:
-            self.name, self.w = None, None  # the last one goes before the next is made
-            w = src.rows(name, 0, src.shape(name)[0])  # (O, K) fp32, then in the run's dtype
-            t = torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
-            q = empty_nf4(*t.shape, self.device, self.block)
-            nf4_quantize(q, t)
-            self.name, self.w = name, q.dense().cpu().numpy()  # sync: the dequantised base goes to the host
-        return self.w
+        with LAUNCH:  # the export's workers ask from several threads
+            if name != self.name:
+                self.name, self.w = None, None  # the last one goes before the next is made
+                w = src.rows(name, 0, src.shape(name)[0])  # (O, K) fp32, then in the run's dtype
+                t = torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
+                q = empty_nf4(*t.shape, self.device, self.block)
+                nf4_quantize(q, t)
+                self.name, self.w = name, q.dense().cpu().numpy()  # sync: the dequantised base goes to the host
+            return self.w
 
 
-def merged_rows(src: Shards, lora, name, e, idx, transposed=False, fe=0, device=None) -> np.ndarray:
-    """(W[e] + scale * B[e] A[e])[idx] in fp32: the rows of a merged weight (see the module docstring).
-    lora: None or (a, b, scale) with a (R, K) / (E, R, K), b (O, R) / (E, O, R) host or device tensors."""
-    w = base_rows(src, name, e, idx, transposed, fe)
-    if lora is None:
+def merged_rows(src: Shards, lora, name, e, idx, transposed=False, fe=0, device=None):
+    """(W[e] + scale * B[e] A[e])[idx] in fp32: the rows of a merged weight (see the module docstring),
+    numpy on the host (device None) or a torch tensor on `device`. lora: None or (a, b, scale) with
+    a (R, K) / (E, R, K), b (O, R) / (E, O, R) host or device tensors."""
+    if device is None:
+        w = base_rows(src, name, e, idx, transposed, fe)
+        if lora is not None:
+            a, b, scale = lora
+            if e is not None:
+                a, b = a[e], b[e]
+            w += (np.float32(scale) * b.numpy()[idx]) @ a.numpy()  # the scale on B's n x R rows, not on n x K
         return w
+    device = torch.device(device)
+    plain = name in src and not transposed and (src.nf4 is None or name not in src.nf4.names)
+    if plain:  # the stored rows go over as they are
+        lo = int(idx.min())
+        w = src.rows_on(device, name, lo, int(idx.max()) + 1, e)[torch.from_numpy(idx - lo).to(device)]  # (n, K)
+    else:
+        w = torch.from_numpy(base_rows(src, name, e, idx, transposed, fe)).to(device)
+    if lora is not None:
+        fold_lora(w, lora, e, idx)
+    return w
+
+
+def fold_lora(w: torch.Tensor, lora, e, idx):
+    """w (n, K) fp32 on a device += scale * B[e][idx] A[e], by lean's matmul kernel there (in place)."""
+    from ..kernels.gemm import matmul
+
     a, b, scale = lora
     if e is not None:
         a, b = a[e], b[e]
-    if device is None:  # numpy on the host
-        w += (np.float32(scale) * b.numpy()[idx]) @ a.numpy()  # the scale on B's n x R rows, not on n x K
-        return w
-    from ..kernels.gemm import matmul
-
-    wd = torch.from_numpy(w).to(device)  # (n, K) fp32
-    matmul(wd, b[torch.from_numpy(idx).to(b.device)].contiguous(), a, accumulate=True, alpha=scale)
-    return wd.cpu().numpy()  # sync: the merged rows go to the quantiser on the host
+    matmul(w, b[torch.from_numpy(idx).to(b.device)].contiguous(), a, accumulate=True, alpha=scale)
 
 
 def load_adapter(model_dir, adapter_dir, device="cpu"):

@@ -10,8 +10,25 @@ data, at the 32-byte aligned offsets the header promised (the writer's own paddi
 alignment before a tensor and after its bytes), in chunks of rows: CHUNK_BYTES of fp32 rows at
 most, whole heads where Q/K rows are permuted (Out.unit), one expert at a time, a vector or an
 expert read whole to be transposed in one; each chunk read through gguf_source.merged_rows (the
-LoRA folded in), quantised by gguf_quants.quantize, written, dropped. Host memory: a few chunks.
+LoRA folded in), quantised, written, dropped. Host memory: a few chunks.
 A tensor whose chunks do not add up to the bytes its header entry announced stops the write.
+
+Where each chunk is quantised (quantizer):
+  "numpy"   (device None, or a CPU device): every type by gguf_quants.quantize on the host. One
+            worker thread reads and merges the next chunk while the main thread quantises and
+            writes this one (numpy and pread release the GIL).
+  "triton"  (the default on a CUDA device): Q8_0, Q4_K and Q6_K by kernels/gguf_quant.py on the
+            device, the same bytes as gguf_quants.quantize. WORKERS threads, each on its own CUDA
+            stream, take a chunk each in file order: pread of the stored rows into pinned memory,
+            copied over, widened, merged (lean's matmul), quantised, its bytes copied back into
+            pinned memory; the main thread waits for a chunk's copy (its event: the one host sync
+            a chunk, which the write needs anyway) and writes it while the workers run ahead. Other
+            types (F32 norms, F16 / BF16 files, Q4_K_M's Q5_0 / Q8_0 fallbacks) are merged on the
+            device and quantised by numpy. On a CPU device "triton" runs the kernels in Triton's
+            interpreter, one worker: how the tests check that path's bytes without a GPU.
+NaN or inf: numpy refuses them chunk by chunk; on the device each chunk's rows are checked by a
+reduction there whose flag comes back with its bytes (no extra sync). Either way the export stops
+with a GGUFError naming the tensor and its rows, and nothing is left under the final name.
 
 Atomic: the file is <out>.tmp-<pid> until it is complete, flushed and fsynced; then os.replace
 puts it under the final name and the folder is fsynced. Any failure (an error, Ctrl-C, a full disk:
@@ -19,23 +36,31 @@ OSError, raised as a GGUFError naming the fix) removes the temporary file: nothi
 under the final name, and an earlier file there stays as it was. The free space is checked first
 (the file's size is known from the plan). A tqdm bar in bytes when tqdm is installed.
 Tested: tests/test_gguf_export.py (chunked and whole writes are the same bytes; a full disk
-mid-write and too little free space leave nothing and keep the earlier file).
+mid-write and too little free space leave nothing and keep the earlier file; the "triton" path's
+file, through the interpreter, equals the numpy path's at Q8_0 and Q4_K_M; a NaN refused on both).
+Measured: tools/bench_gguf_export.py gpu (the 8B on the H100 against writing as many bytes).
 """
 import os
 import shutil
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 
 from .gguf import GGUFError
 from .gguf_names import gguf_arch
 from .gguf_quants import quantize
-from .gguf_source import merged_rows
+from .gguf_source import LAUNCH, fold_lora, merged_rows
 
 CHUNK_BYTES = 64 << 20  # fp32 rows per chunk: the streaming unit
+WORKERS = 4             # chunks in flight on a CUDA device (each a thread with its own stream)
+GPU_QTYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # kernels/gguf_quant.py's QTYPES (not imported: it imports triton)
 
 
 class Out(NamedTuple):
@@ -75,35 +100,108 @@ def _jobs(o: Out):
             yield e, slice(a, a + step)
 
 
-def _rows(o: Out, e, rows, src, device) -> np.ndarray:
-    """A chunk's fp32 rows, ready for the quantiser: (n, K), or (1, n) for a vector."""
+class _Bytes(NamedTuple):
+    """A chunk quantised on a device: its bytes and NaN/inf flag on their way to the host."""
+    raw: object           # (n, bytes a row) uint8 torch tensor on the host (pinned on a GPU)
+    bad: object           # () bool torch tensor: the rows held NaN or inf
+    done: object          # torch.cuda.Event recorded after both copies; None on the CPU
+
+    def wait(self):
+        """(the bytes as numpy, whether the rows held NaN or inf)."""
+        if self.done is not None:
+            self.done.synchronize()  # sync: this chunk's bytes are on the host (the write needs them)
+        return self.raw.numpy(), bool(self.bad)
+
+
+def _quantize_on_device(w, qtype: Q) -> _Bytes:
+    """(n, K) fp32 rows on a device -> their qtype bytes by kernels/gguf_quant.py, copied back."""
+    from ..kernels.gguf_quant import quantize_rows as quantize_on_device
+    from ..kernels.gguf_quant import row_bytes
+
+    dst = torch.empty(w.shape[0], row_bytes(w.shape[1], qtype), dtype=torch.uint8, device=w.device)  # (n, B)
+    quantize_on_device(dst, w, qtype)
+    bad = torch.isfinite(w).all().logical_not()  # read on the host with the bytes: no sync of its own
+    if w.device.type != "cuda":
+        return _Bytes(dst, bad, None)
+    raw = torch.empty(dst.shape, dtype=torch.uint8, pin_memory=True)
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    raw.copy_(dst, non_blocking=True)
+    flag.copy_(bad, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return _Bytes(raw, flag, done)
+
+
+def _job(o: Out, e, rows, src, device, on_device: bool):
+    """A chunk, in a worker: fp32 rows on the host for quantize_rows, or (on_device) _Bytes."""
     if o.data is not None:
         return o.data.reshape(-1, o.shape[-1])
-    w = merged_rows(src, o.lora, o.hf, e, o.idx[rows], o.transposed, len(o.idx), device)
-    return w.reshape(1, -1) if o.vector else w
+    idx = o.idx[rows]
+    if device is None or not (on_device or o.lora is not None):  # numpy on the host
+        w = merged_rows(src, o.lora, o.hf, e, idx, o.transposed, len(o.idx))
+        return w.reshape(1, -1) if o.vector else w
+    w = merged_rows(src, None, o.hf, e, idx, o.transposed, len(o.idx), device)  # read and copied over
+    with LAUNCH:  # the reads run in parallel, the launches one thread at a time
+        if o.lora is not None:
+            fold_lora(w, o.lora, e, idx)
+        w = w.reshape(1, -1) if o.vector else w
+        if on_device:
+            return _quantize_on_device(w, o.qtype)
+    return w.cpu().numpy()  # sync (in the worker): the merged rows go to numpy's quantiser
 
 
-def _chunks(plan: list, src, device):
-    """(tensor, fp32 rows) of every chunk of the plan in order; the next chunk is read and merged on a
-    second thread while this one is quantised and written (numpy and pread release the GIL): one
-    chunk more in memory, the reading and the quantising overlapped."""
-    from concurrent.futures import ThreadPoolExecutor
+def _chunks(plan: list, src, device, quantizer):
+    """(tensor, expert, row slice, _job's result) of every chunk of the plan, in order, the workers
+    running ahead (the module docstring)."""
+    device = torch.device(device) if device is not None else None
+    cuda = device is not None and device.type == "cuda"
+    workers = WORKERS if cuda else 1
+    local = threading.local()
 
+    def run(o, e, rows):
+        on_device = quantizer == "triton" and o.data is None and o.qtype in GPU_QTYPES
+        if not cuda:
+            return _job(o, e, rows, src, device, on_device)
+        if not hasattr(local, "stream"):
+            local.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(local.stream):
+            return _job(o, e, rows, src, device, on_device)
+
+    if cuda:  # sync: the adapter is on the device before the workers' streams read it
+        torch.cuda.current_stream(device).synchronize()
     jobs = ((o, e, rows) for o in plan for e, rows in ([(None, None)] if o.data is not None else _jobs(o)))
-    with ThreadPoolExecutor(1) as pool:
-        ahead = None
-        for o, e, rows in jobs:
-            job = pool.submit(_rows, o, e, rows, src, device)
-            if ahead is not None:
-                yield ahead[0], ahead[1].result()
-            ahead = (o, job)
-        if ahead is not None:
-            yield ahead[0], ahead[1].result()
+    ahead = deque()
+    with ThreadPoolExecutor(workers) as pool:
+        try:
+            for o, e, rows in jobs:
+                ahead.append((o, e, rows, pool.submit(run, o, e, rows)))
+                if len(ahead) > workers:
+                    o, e, rows, job = ahead.popleft()
+                    yield o, e, rows, job.result()
+            while ahead:
+                o, e, rows, job = ahead.popleft()
+                yield o, e, rows, job.result()
+        finally:  # an error or Ctrl-C: the chunks not started are not read
+            for *_, job in ahead:
+                job.cancel()
 
 
-def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, progress=True) -> Path:
-    """Write `plan` as a GGUF at `path`, atomically (the module docstring); returns the path."""
+def _nonfinite(o: Out, e, rows) -> GGUFError:
+    where = "" if rows is None else f" rows {rows.start}..{min(rows.stop, len(o.idx)) - 1}"
+    where += "" if e is None else f" of expert {e}"
+    return GGUFError(f"{o.name}:{where} hold NaN or inf, which {o.qtype.name} cannot encode: the base model or "
+                     "the adapter holds them; fix the weights (a NaN in training stops lean-train) and export again")
+
+
+def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, progress=True,
+               quantizer=None) -> Path:
+    """Write `plan` as a GGUF at `path`, atomically (the module docstring); returns the path. device:
+    where the LoRA is merged (None: numpy on the host); quantizer: "numpy", "triton" (on device) or
+    None (triton on a CUDA device, numpy otherwise)."""
     path = Path(path)
+    quantizer = quantizer or ("triton" if device is not None and str(device).startswith("cuda") else "numpy")
+    if quantizer not in ("numpy", "triton") or (quantizer == "triton" and device is None):
+        raise ValueError(f"quantizer={quantizer!r}: 'numpy', or 'triton' with a torch device")
     total = sum(o.nbytes for o in plan)
     _check_space(path, total)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -119,12 +217,22 @@ def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, p
         w.write_ti_data_to_file()
         f = w.fout[0]
         current, written = None, 0
-        for o, rows in _chunks(plan, src, device):
+        for o, e, rows, got in _chunks(plan, src, device, quantizer):
             if o is not current:
                 _finish(w, f, current, written)
                 current, written = o, 0
                 w.write_padding(f, f.tell())
-            chunk = quantize_rows(rows, o.qtype)
+            if isinstance(got, _Bytes):
+                chunk, bad = got.wait()
+                if bad:
+                    raise _nonfinite(o, e, rows)
+            else:
+                try:
+                    chunk = quantize_rows(got, o.qtype)
+                except ValueError as err:
+                    if "NaN or inf" not in str(err):
+                        raise
+                    raise _nonfinite(o, e, rows) from err
             f.write(np.ascontiguousarray(chunk).data)
             written += chunk.nbytes
             if bar is not None:

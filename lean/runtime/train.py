@@ -507,7 +507,8 @@ def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
             from .shard import load_sharded
             model = load_sharded(model_dir, dtype, device, dist, quant=cfg.quant)
         else:
-            model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
+            model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant,  # tables placed by the plan
+                               stage_tables=cfg.vram_budget is not None and device.startswith("cuda"))
         if cfg.vram_budget is not None and device.startswith("cuda"):
             early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens, cfg.vram_budget)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)

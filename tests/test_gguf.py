@@ -151,18 +151,23 @@ def _llama_cpp_permute(w, n_heads):
 
 
 def write_fake_gguf(path, arch="llama", *, tied=False, pre="llama-bpe", extra=None, drop=()):
-    """A 2-layer llama GGUF (C=64, H=4, KVH=2, D=16, F=48) with fresh random weights; returns the HF
-    state dict it encodes. F32 norms, F16 matmul weights (so the expected values are exact)."""
+    """A 2-layer GGUF of `arch` (C=64, H=4, KVH=2, D=16, F=48; qwen3: D=24, so H*D != C) with fresh
+    random weights; returns the HF state dict it encodes. llama: Q/K rows permuted as llama.cpp
+    stores them; qwen2: q/k/v biases; qwen3: q/k norms. F32 norms and biases, F16 matmul weights
+    (so the expected values are exact)."""
     rng = np.random.default_rng()
-    C, H, KVH, D, F, L = 64, 4, 2, 16, 48, 2
-    tokens = _byte_alphabet() + ["Ġt", "he", "Ġthe", "<|begin|>", "<|end|>", "<think>"]
+    C, H, KVH, D, F, L = 64, 4, 2, (24 if arch == "qwen3" else 16), 48, 2
+    # "12": a merge across digits, where llama-bpe's split (digits in threes) and qwen2's (one by one) differ
+    tokens = _byte_alphabet() + ["Ġt", "he", "Ġthe", "12", "<|begin|>", "<|end|>", "<think>"]
     types = [1] * (len(tokens) - 3) + [3, 3, 4]
-    merges = ["Ġ t", "h e", "Ġt he"]
+    merges = ["Ġ t", "h e", "Ġt he", "1 2"]
     V = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L); w.add_context_length(256); w.add_embedding_length(C)
     w.add_feed_forward_length(F); w.add_head_count(H); w.add_head_count_kv(KVH)
     w.add_layer_norm_rms_eps(1e-6); w.add_rope_freq_base(5e5); w.add_rope_dimension_count(D)
+    if arch == "qwen3":
+        w.add_key_length(D); w.add_value_length(D)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre(pre); w.add_token_list(tokens)
     w.add_token_types(types); w.add_token_merges(merges)
     w.add_bos_token_id(V - 3); w.add_eos_token_id(V - 2); w.add_add_bos_token(True)
@@ -175,7 +180,7 @@ def write_fake_gguf(path, arch="llama", *, tied=False, pre="llama-bpe", extra=No
     def put(gguf_name, hf_name, shape, f16=True, heads=0):
         t = rng.standard_normal(shape).astype(np.float16 if f16 else np.float32)
         hf[hf_name] = torch.from_numpy(t.astype(np.float32))
-        gg[gguf_name] = _llama_cpp_permute(t, heads) if heads else t
+        gg[gguf_name] = _llama_cpp_permute(t, heads) if heads and arch == "llama" else t
 
     put("token_embd.weight", "model.embed_tokens.weight", (V, C))
     put("output_norm.weight", "model.norm.weight", (C,), f16=False)
@@ -192,6 +197,12 @@ def write_fake_gguf(path, arch="llama", *, tied=False, pre="llama-bpe", extra=No
         put(p + "ffn_gate.weight", q + "mlp.gate_proj.weight", (F, C))
         put(p + "ffn_up.weight", q + "mlp.up_proj.weight", (F, C))
         put(p + "ffn_down.weight", q + "mlp.down_proj.weight", (C, F))
+        if arch == "qwen2":
+            for x, n in (("q", H * D), ("k", KVH * D), ("v", KVH * D)):
+                put(p + f"attn_{x}.bias", q + f"self_attn.{x}_proj.bias", (n,), f16=False)
+        if arch == "qwen3":
+            put(p + "attn_q_norm.weight", q + "self_attn.q_norm.weight", (D,), f16=False)
+            put(p + "attn_k_norm.weight", q + "self_attn.k_norm.weight", (D,), f16=False)
     for name, t in gg.items():
         if name not in drop:
             w.add_tensor(name, np.ascontiguousarray(t))
@@ -227,18 +238,50 @@ def test_fake_bfloat16_output(tmp_path):
         torch.testing.assert_close(ours[name], t.to(torch.bfloat16), rtol=0, atol=0)
 
 
-def test_fake_llama_bpe_tokenizer_equals_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fake_qwen_gguf_equals_transformers(tmp_path, arch):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim 24 != hidden / heads) GGUFs load: every
+    tensor as written (no Q/K permutation: llama.cpp rotates Qwen's heads in HF's order), and lean's
+    logits equal transformers' own GGUF loader's on the same file."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = write_fake_gguf(tmp_path / "m.gguf", arch, pre="qwen2")
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    ours = load_file(str(out / "model.safetensors"))
+    assert set(ours) == set(hf)
+    for name, t in hf.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    model = lean.load_model(out, dtype=torch.float32, device="cpu")
+    assert model.config.arch == arch and model.config.qkv_bias == (arch == "qwen2")
+    assert model.config.qk_norm == (arch == "qwen3") and model.config.head_dim == (24 if arch == "qwen3" else 16)
+    # transformers' qwen3 GGUF mapping ignores key_length (its head_dim stays Qwen3Config's 128): our
+    # config.json says the shapes, its GGUF loader reads and names the tensors
+    config = AutoConfig.from_pretrained(out) if arch == "qwen3" else None
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", config=config,
+                                               dtype=torch.float32).eval()
+    docs = [[3, 17, 5, 99, 42, 7, 8], [11, 12, 13]]
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    got = lean.forward(model, None, lean.pack(docs, max_tokens=16, device="cpu"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("arch, pre", [("llama", "llama-bpe"), ("qwen2", "qwen2")])
+def test_fake_tokenizer_equals_transformers(tmp_path, arch, pre):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    write_fake_gguf(tmp_path / "m.gguf", pre="llama-bpe")
+    write_fake_gguf(tmp_path / "m.gguf", arch, pre=pre)
     out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
     for text in ["the theme<|end|> 123456  x", "<|begin|>hi <think>there</think>\n\n 7", "naïve 🙂"]:
         ids = ours.encode(text).ids
         assert ids == ref(text)["input_ids"], text
-        assert ids[0] == len(_byte_alphabet()) + 3  # add_bos_token: BOS first
+        assert ids[0] == len(_byte_alphabet()) + 4  # add_bos_token: BOS first
+    twelve = ours.encode("x 123").ids[1:]  # after BOS
+    assert len(twelve) == (4 if pre == "llama-bpe" else 5)  # "x", " ", "12", "3" vs "x", " ", "1", "2", "3"
 
 
 def test_reuse_and_reconvert(tmp_path):
@@ -285,7 +328,7 @@ def test_unsupported_architecture(tmp_path, arch):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    with pytest.raises(GGUFError, match=rf"'{arch}'.*supports llama only"):
+    with pytest.raises(GGUFError, match=rf"'{arch}'.*supports llama, qwen2, qwen3 only"):
         convert_gguf(tmp_path / "a.gguf", tmp_path / "out")
 
 

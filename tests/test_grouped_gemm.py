@@ -246,6 +246,7 @@ def _skewed_offsets(P, E, g):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 def test_gmm_gpu_qwen3_moe():
     g = fresh_generator()
     N, K, E, C, F, R, s = 8192, 8, 128, 2048, 768, 16, 2.0

@@ -169,3 +169,65 @@ def test_streamed_head_step_equals_the_device_head_step_gpu():
         start += n
     loss2 = graph.step(graph.pack(docs))[0]
     assert abs(loss2.item() - loss1.item()) <= 1e-4 * abs(loss1.item()), (loss2.item(), loss1.item())
+
+
+@pytest.mark.gpu
+def test_staged_tables_go_where_the_plan_puts_them_gpu():
+    """A model loaded with stage_tables (lean-train under --vram-budget) holds its embedding and lm_head
+    in pinned host memory until the first plan_for: with no budget both go to the GPU and the step is
+    bit-equal to an unstaged model's; under a budget that only fits with them on the host, they stay
+    there, and the process never holds them on the GPU: the peak from before the load is the plan's."""
+    from lean.models.weights import empty_model
+    from lean.runtime.plan import DEFAULT_RATES
+    from lean.runtime.planner import plan_for
+
+    gen = fresh_generator("cuda")
+    config = dict(PRESETS["qwen3-8b"], num_hidden_layers=2)
+    model = _model(config, gen, dtype=torch.bfloat16, device="cuda")
+    lora = _lora(model, 16, 0.0, gen)
+    batch = _batch(model, gen, 4096, device="cuda", mean=512)
+
+    def staged_copy():
+        m = empty_model(model.config, torch.bfloat16, "cuda", stage_tables=True)
+        assert m.cache["staged"] and m.embed.device.type == m.lm_head.device.type == "cpu" and m.embed.is_pinned()
+        for (_, dst), (_, src) in zip(m.hf_tensors(), model.hf_tensors()):
+            dst.copy_(src)
+        return m
+
+    lora.zero_grad()
+    loss0, _ = lean.forward_backward(model, lora, batch, seed=1)
+    grads0 = lora.grads.clone()
+    roomy = staged_copy()
+    plan = plan_for(roomy, lora, 4096, rates=DEFAULT_RATES)
+    assert not (plan.head_host or plan.embed_host) and "staged" not in roomy.cache
+    assert roomy.embed.device.type == roomy.lm_head.device.type == "cuda"
+    lora.zero_grad()
+    loss1, _ = lean.forward_backward(roomy, lora, batch, seed=1)
+    assert loss1.item() == loss0.item() and torch.equal(lora.grads, grads0)
+    del roomy
+    # the highest budget (128 MiB steps down from the all-on-GPU peak) at which the plan streams the head
+    table = model.embed.numel() * 2
+    weights = sum(b.numel() * b.element_size() for layer in model.layers for b in (layer.buf, layer.qbuf))
+    weights += 2 * table + model.norm.numel() * 2
+    kw = dict(lora_targets=lora.targets, act_bytes=2, rates=DEFAULT_RATES, embed_bytes=table, head_bytes=table)
+    budget = plan_step(model.config, 4096, 16, None, weights, **kw).memory.peak
+    tight = None
+    while tight is None or not tight.head_host:
+        budget -= 128 * 2**20
+        tight = plan_step(model.config, 4096, 16, budget, weights, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()  # the first model, its LoRA and batch
+    torch.cuda.reset_peak_memory_stats()
+    small = staged_copy()
+    plan = plan_for(small, lora, 4096, budget_bytes=budget, rates=DEFAULT_RATES)
+    assert plan.head_host and plan.embed_host, format_plan(plan)
+    assert small.lm_head.device.type == small.embed.device.type == "cpu" and "head" in small.cache
+    lora.zero_grad()
+    loss2, _ = lean.forward_backward(small, lora, batch, plan=plan, seed=1)
+    torch.cuda.synchronize()
+    assert abs(loss2.item() - loss0.item()) <= 1e-4 * abs(loss0.item()), (loss2.item(), loss0.item())
+    # this model's own bytes above base (its LoRA state is the first model's): the plan's peak less the
+    # LoRA part, to the allocator's rounding; a table on the GPU at any point would add 1.16 GiB
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= plan.memory.peak - plan.memory.lora + 64 * 2**20, (peak, plan.memory)

@@ -69,7 +69,12 @@ def test_close_to_reference(dtype, N, V, C, chunk_v, grad_scale, ignore_index):
     assert torch.allclose(loss[0], ref_loss[0], rtol=tol, atol=0), (loss, ref_loss)
     ulp = 2.0 ** (-23 if dtype == torch.float32 else -10 if dtype == torch.float16 else -7)
     err = (dh.float() - ref_dh.float()).abs().max().item()
-    assert err <= 4 * ulp * ref_dh.float().abs().max().item(), err  # a few roundings of dh's largest
+    if dh.is_cuda and dtype == torch.float32 and V >= 16384:
+        # each kernel sums V fp32 products per element in one accumulator: both land up to 5e-5 of
+        # max|dh| from fp64 at these V (test_linear_ce's known gap), so up to 1e-4 from each other
+        assert err <= 1e-4 * ref_dh.float().abs().max().item(), err
+    else:
+        assert err <= 4 * ulp * ref_dh.float().abs().max().item(), err  # a few roundings of dh's largest
 
 
 @pytest.mark.parametrize("with_dh", [True, False])

@@ -109,6 +109,17 @@ def _gptoss_expert_launches(tokens, dtype, C=2880, F=2880, E=32, K=4, R=16):
     gmm_mxfp4(t(P, C), t(P, 2 * F), blocks, scales, off, transpose=True, lora=(t(P, R), t(E, C, R), 2.0))
 
 
+def _gguf_quant_launches(R=14336, C=4096):
+    """The GGUF export's quantisers (kernels/gguf_quant.py) on an 8B's ffn_gate (R x C): Q8_0, Q4_K
+    and Q6_K from bf16 rows (a checkpoint's dtype) and from fp32 (a merge kept in fp32)."""
+    from lean.kernels.gguf_quant import QTYPES, quantize_rows, row_bytes
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.empty(R, C, dtype=dtype, device=META)
+        for qtype in QTYPES:
+            quantize_rows(torch.empty(R, row_bytes(C, qtype), dtype=torch.uint8, device=META), x, qtype)
+
+
 def _nf4_launches(cfg, dtype, batch, tokens):
     """An NF4 copy of a dense preset (kernels/nf4.py): quantise and dequantise a projection, then the
     step with nf4.FUSED forced each way (the pointer kernels' NF4 decode; the scratch copy)."""
@@ -193,6 +204,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
             _gptoss_expert_launches(tokens, dtype)
         else:  # QLoRA: the model in NF4, quantised at load, its step through the fused decode and the scratch copy
             _nf4_launches(cfg, dtype, big, tokens)
+        _gguf_quant_launches()  # the GGUF export's (no step launches them)
         # kernels no step launches: the dropout mask (tests), RMSNorm's weight gradient (the norms are
         # frozen under LoRA) and attention's TMA loops forced on
         lora_dropout_mask(torch.empty(tokens, cfg.hidden, dtype=dtype, device=META), 0, 0.1)

@@ -223,7 +223,7 @@ def time_steps(step, warmup, steps, cuda):
 # =============================================================================================
 # lean's row (run in a child process by tools/bench_peers.py)
 # =============================================================================================
-def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
+def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False, stage_tables=False):
     import lean
     from lean.models.config import config_from_hf
     from lean.kernels.nf4 import Nf4, nf4_quantize
@@ -232,10 +232,13 @@ def random_model(name, device="cuda", dtype=torch.bfloat16, smoke=False):
     cfg = config_from_hf(model_config(name, smoke))
     if quant():
         cfg = dataclasses.replace(cfg, weight_quant=quant())
-    model = empty_model(cfg, dtype, device)
+    model = empty_model(cfg, dtype, device, stage_tables=stage_tables)  # staged: the tables on the host
     g = torch.Generator(device=device).manual_seed(0)
     for name, t in model.hf_tensors():  # in place: no fp32 temporary in the row's peak (2.4 GiB at 8B)
-        if isinstance(t, Nf4):  # a projection drawn in the model dtype, quantised, let go
+        if t.device.type != torch.device(device).type:  # a staged table: drawn on the GPU 4096 rows at a time
+            for r in range(0, t.shape[0], 4096):
+                t[r:r + 4096].copy_(torch.empty_like(t[r:r + 4096], device=device).normal_(0.0, 0.02, generator=g))
+        elif isinstance(t, Nf4):  # a projection drawn in the model dtype, quantised, let go
             w = torch.empty(t.shape, dtype=dtype, device=device)
             nf4_quantize(t, w.normal_(0.0, 0.02, generator=g))
             del w
@@ -261,9 +264,10 @@ def lean_setup(name, layout, smoke=False, targets="all", budget_gib=None):
     gate,up,down, an MoE layer's experts; "q,k,v,o": attention only)."""
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    lean, model = random_model(name, device, dtype, smoke)
+    staged = budget_gib is not None and cuda  # as lean-train: the tables load to the host, the plan places them
+    lean, model = random_model(name, device, dtype, smoke, stage_tables=staged)
     total = SMOKE_TOKENS if smoke else TOKENS
-    if budget_gib is not None and cuda:  # as lean-train: the embedding leaves before the LoRA state arrives
+    if staged:  # as lean-train: the embedding leaves before the LoRA state arrives
         from lean.runtime.planner import early_plan
         early_plan(model, 16, targets, 0.0, total, budget_gib)
     lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0)

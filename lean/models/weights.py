@@ -278,11 +278,17 @@ class Model:
             yield "lm_head.weight", self.lm_head
 
 
-def empty_model(cfg: ModelConfig, dtype, device, path="") -> Model:
-    """Allocate every frozen tensor (uninitialised); the loader fills them."""
-    embed = torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, device=device)  # (V, C)
-    lm_head = embed if cfg.tie_embeddings else torch.empty_like(embed)
-    return Model(
+def empty_model(cfg: ModelConfig, dtype, device, path="", stage_tables=False) -> Model:
+    """Allocate every frozen tensor (uninitialised); the loader fills them. stage_tables (a CUDA
+    device under a VRAM budget): the embedding table and the lm_head are allocated in pinned host
+    memory, model.cache["staged"] says so, and the first runtime/planner.plan_for moves each to the
+    GPU or leaves it on the host as its plan says: the GPU never holds a table its plan puts on the
+    host (Qwen3-14B: 2 x 1.45 GiB above an 8.5 GiB budget while loading)."""
+    staged = stage_tables and torch.device(device).type == "cuda"
+    where = dict(device="cpu", pin_memory=True) if staged else dict(device=device)
+    embed = torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, **where)  # (V, C)
+    lm_head = embed if cfg.tie_embeddings else torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, **where)
+    model = Model(
         config=cfg,
         embed=embed,
         layers=[Layer(cfg, dtype, device, li) for li in range(cfg.n_layers)],
@@ -292,6 +298,9 @@ def empty_model(cfg: ModelConfig, dtype, device, path="") -> Model:
         device=torch.device(device),
         path=path,
     )
+    if staged:
+        model.cache["staged"] = True
+    return model
 
 
 def embed_to_host(model: Model):

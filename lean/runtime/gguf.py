@@ -3,12 +3,17 @@
     folder = ensure_hf_folder("SmolLM2-135M-Instruct.Q4_1.gguf")   # converts once, then reuses
     model = lean.load_model(folder, dtype=torch.bfloat16)
 
+Names (architectures, tensors, metadata keys, pre-tokenizers) come from gguf_names.py, the table
+the GGUF writer (gguf_export.py) reads too.
+
 What is written into the folder:
-  config.json            LlamaForCausalLM: sizes, rms_norm_eps, rope_theta, max_position_embeddings
-                         (context_length), vocab_size, tie_word_embeddings (true when the file has no
-                         output.weight), rope_scaling (linear only), bos/eos/pad token ids
+  config.json            LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM: the {arch}.* keys
+                         of gguf_names.HPARAMS (sizes, rms_norm_eps, rope_theta, context_length as
+                         max_position_embeddings, head_dim), tie_word_embeddings (true when the file
+                         has no output.weight), llama's attention_bias (q/k/v/o biases in the file),
+                         rope_scaling (linear only), bos/eos/pad token ids
   model.safetensors      every tensor dequantised (gguf.quants.dequantize: F32, F16, BF16, Q4_0,
-                         Q4_1, Q8_0, the K-quants, ...) to `dtype`, under HF names (GGUF_NAMES),
+                         Q4_1, Q8_0, the K-quants, ...) to `dtype`, under HF names (gguf_names),
                          written one tensor at a time (peak memory: one tensor, not the model)
   tokenizer.json         the `tokenizers` byte-level BPE built from tokenizer.ggml.* metadata
   tokenizer_config.json  chat_template (tokenizer.chat_template; named ones as a list),
@@ -17,25 +22,29 @@ What is written into the folder:
                          record matches is complete and is not converted again
 
 Math:
-  llama.cpp stores the rows of attn_q and attn_k permuted for its RoPE kernel: per head, the D rows
-  (two halves of the rotary dims) are interleaved, GGUF row (i, j, half) = HF row (i, half, j) for
-  head i, j < D/2. Undone here by reading the rows as (H, D/2, 2, C) and writing them as
-  (H, 2, D/2, C), with H = num_key_value_heads for attn_k. Same direction as transformers'
-  modeling_gguf_pytorch_utils.LlamaTensorProcessor._reverse_permute_weights.
+  llama.cpp stores the rows of a llama file's attn_q and attn_k (weights and biases) permuted for
+  its RoPE kernel: per head, the D rows (two halves of the rotary dims) are interleaved, GGUF row
+  (i, j, half) = HF row (i, half, j) for head i, j < D/2. Undone here (gguf_names.unpermute_rows)
+  by reading the rows as (H, D/2, 2, C) and writing them as (H, 2, D/2, C), with H =
+  num_key_value_heads for attn_k. Same direction as transformers' modeling_gguf_pytorch_utils.
+  LlamaTensorProcessor._reverse_permute_weights. Qwen2 and Qwen3 files are stored in HF's order.
 
-Supported: general.architecture "llama" (Llama 2/3 shaped dense decoders, SmolLM) with
-  tokenizer.ggml.model "gpt2" (byte-level BPE) and tokenizer.ggml.pre
+Supported: general.architecture "llama" (Llama 2/3 shaped dense decoders, SmolLM), "qwen2" (q/k/v
+  biases), "qwen3" (q/k norms, head_dim from key_length) with tokenizer.ggml.model "gpt2"
+  (byte-level BPE) and a tokenizer.ggml.pre of gguf_names.PRE:
     "smollm" (and starcoder / refact / codeshell): split off every \\p{N} character, then ByteLevel's
               GPT-2 regex, without prefix space (llama.cpp's llama-vocab.cpp does the same)
     "default" / "gpt2" / absent: ByteLevel's GPT-2 regex, no prefix space
     "llama-bpe" / "llama3" / "llama-v3": the Llama 3 split regex, then ByteLevel without regex
+    "qwen2": Qwen2's split regex (digits one by one), then ByteLevel without regex; NFC first
+    "gpt-4o": o200k's split regex, then ByteLevel without regex
   token_type 3 (control) tokens become special added tokens, token_type 4 (user-defined) plain
   added tokens; the decoder is ByteLevel; BOS/EOS are added when add_bos_token / add_eos_token say so.
 
 Errors are GGUFError (a ValueError) naming the file and the fix: not a GGUF file, a truncated file,
-an architecture other than llama, a tokenizer or pre-tokenizer not listed above, rope scaling other
-than linear (llama3 scaling stored as a rope_freqs tensor included), mixture-of-experts llama files,
-any llama.* metadata key or tensor this converter does not know (never silently ignored).
+an architecture other than those, a tokenizer or pre-tokenizer not listed above, rope scaling other
+than linear (llama3 scaling stored as a rope_freqs tensor included), mixture-of-experts files, any
+{arch}.* metadata key or tensor this converter does not know (never silently ignored).
 
 Cautions:
   - transformers' own GGUF tokenizer (5.x) ignores the "smollm" pre-tokenizer and uses plain
@@ -47,7 +56,8 @@ Cautions:
   - The files are replaced one by one (temp name, then os.replace); the record is written last and
     removed first, so a conversion cut short is redone on the next call.
 Tested: tests/test_gguf.py (every tensor and the tokenizer against transformers on the real SmolLM2
-GGUF; Q/K permutation, untied heads and the errors on small synthetic GGUF files).
+GGUF; Q/K permutation, untied heads and the errors on small synthetic GGUF files; synthetic Qwen2 and
+Qwen3 files against transformers' GGUF loader, tensors and logits, and their tokenizers).
 """
 import hashlib
 import json
@@ -56,38 +66,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import Keys
+
+from .gguf_names import (HF_ARCHITECTURES, HPARAMS, MOE_HPARAMS, READABLE, ROPE_FREQS, ROPE_SCALING,
+                         ROPE_SCALING_TYPE, hf_name_of, key, lean_arch, unpermute_rows)
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = READABLE  # llama.cpp's names: "llama", "qwen2", "qwen3"
 RECORD_NAME = "lean_gguf_source.json"
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", RECORD_NAME)
-CONVERTER_VERSION = 1  # bump when the output changes, so old conversions are redone
+CONVERTER_VERSION = 2  # bump when the output changes, so old conversions are redone
 
-# GGUF tensor name -> HF name. Per-layer names hang off blk.N. / model.layers.N.
-GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_TO_HF_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-# llama.* metadata keys read here (after the "llama." prefix). Any other llama.* key is refused.
-LLAMA_KEYS = {
-    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-    "attention.key_length", "attention.value_length", "rope.dimension_count", "rope.freq_base",
-    "rope.scaling.type", "rope.scaling.factor", "expert_count", "expert_used_count",
-}
+# {arch}.* metadata keys read here (after the "{arch}." prefix; gguf_names' tables). Any other
+# {arch}.* key is refused.
+ARCH_KEYS = {k.split(".", 1)[1] for k in (*(h.key for h in HPARAMS + MOE_HPARAMS[:2]), ROPE_SCALING_TYPE,
+                                          ROPE_SCALING["factor"])}
 
 _DTYPES = {  # name -> (torch dtype, safetensors dtype code)
     "float32": (torch.float32, "F32"),
@@ -120,9 +113,9 @@ def convert_gguf(gguf_path, out_dir, dtype="float32") -> Path:
     # Read and check everything before the first byte is written.
     reader = _open(src)
     meta = _metadata(reader)
-    _check_architecture(meta, src)
-    config = _hf_config(meta, reader, src)
-    plan = _tensor_plan(reader, config, src)
+    arch = _check_architecture(meta, src)
+    config = _hf_config(meta, reader, src, arch)
+    plan = _tensor_plan(reader, config, src, arch)
     from . import gguf_tokenizer  # imported here: it imports GGUFError from this module
 
     tokenizer_json = gguf_tokenizer.tokenizer_json(meta, src)
@@ -243,23 +236,33 @@ def _metadata(reader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _check_architecture(meta: dict, src: Path):
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{src}: general.architecture is {arch!r}; lean's GGUF converter supports "
+def _arch(meta: dict, src: Path) -> str:
+    """lean's architecture of the file ("llama", "qwen2", "qwen3"); GGUFError for any other."""
+    name = meta.get("general.architecture")
+    arch = lean_arch(name)
+    if arch not in READABLE:
+        raise GGUFError(f"{src}: general.architecture is {name!r}; lean's GGUF converter supports "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} only. Convert an HF folder of this model "
-                        "instead (lean.load_model reads Llama, Qwen2 and Qwen3 safetensors folders)")
-    unknown = sorted(k for k in meta if k.startswith("llama.") and k[len("llama."):] not in LLAMA_KEYS)
+                        "instead (lean.load_model reads Llama, Qwen2, Qwen3, Qwen3-MoE and GPT-OSS safetensors "
+                        "folders)")
+    return arch
+
+
+def _check_architecture(meta: dict, src: Path) -> str:
+    arch = _arch(meta, src)
+    pre = meta["general.architecture"] + "."
+    unknown = sorted(k for k in meta if k.startswith(pre) and k[len(pre):] not in ARCH_KEYS)
     if unknown:
         raise GGUFError(f"{src}: metadata {', '.join(unknown)} is not handled by lean's GGUF converter and "
                         "may change the model's math: it is refused rather than ignored. Use the HF "
                         "safetensors release of this model")
+    return arch
 
 
 def _int(meta, key, src, default=None):
     value = meta.get(key, default)
     if value is None:
-        raise GGUFError(f"{src}: metadata {key} is missing: the file is not a complete llama GGUF")
+        raise GGUFError(f"{src}: metadata {key} is missing: the file is not a complete GGUF model")
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise GGUFError(f"{src}: {key} differs between layers ({value}); lean needs one value")
@@ -272,58 +275,53 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(meta: dict, reader, src: Path) -> dict:
+def _rope_scaling(meta: dict, reader, src: Path, arch: str) -> dict:
     """rope_scaling for config.json: {} (none) or linear. Everything else is refused."""
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise GGUFError(f"{src}: the file holds rope_freqs.weight (llama3-style RoPE scaling stored as "
+    if any(t.name == ROPE_FREQS for t in reader.tensors):
+        raise GGUFError(f"{src}: the file holds {ROPE_FREQS} (llama3-style RoPE scaling stored as "
                         "per-dimension factors); the converter cannot recover its parameters. Use the HF "
                         "safetensors release of this model")
-    kind = meta.get("llama.rope.scaling.type", "none")
-    factor = float(meta.get("llama.rope.scaling.factor", 1.0))
+    type_key, factor_key = key(ROPE_SCALING_TYPE, arch), key(ROPE_SCALING["factor"], arch)
+    kind = meta.get(type_key, "none")
+    factor = float(meta.get(factor_key, 1.0))
     if kind == "none" and factor == 1.0:
         return {}
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(factor)}
-    raise GGUFError(f"{src}: llama.rope.scaling.type={kind!r} with factor {factor} is not supported by "
-                    "lean's GGUF converter (only none and linear): use the HF safetensors release of this model")
+    raise GGUFError(f"{src}: {type_key}={kind!r} with factor {factor} is not supported by lean's GGUF "
+                    "converter (only none and linear): use the HF safetensors release of this model")
 
 
-def _hf_config(meta: dict, reader, src: Path) -> dict:
-    """config.json for a LlamaForCausalLM from llama.* and tokenizer.ggml.* metadata."""
-    hidden = _int(meta, "llama.embedding_length", src)
-    n_heads = _int(meta, "llama.attention.head_count", src)
-    n_kv = _int(meta, "llama.attention.head_count_kv", src, default=n_heads)
-    head_dim = _int(meta, "llama.attention.key_length", src, default=hidden // n_heads)
-    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
-        if _int(meta, key, src, default=head_dim) != head_dim:
-            raise GGUFError(f"{src}: {key}={meta[key]} differs from head_dim {head_dim} (partial RoPE or "
-                            "value heads of another size): not supported by lean")
-    if _int(meta, "llama.expert_count", src, default=0) > 0:
-        raise GGUFError(f"{src}: llama.expert_count={meta['llama.expert_count']}: a mixture-of-experts "
-                        "model (Mixtral-style) in llama layout; lean's GGUF converter supports dense "
-                        "llama models only")
+def _hf_config(meta: dict, reader, src: Path, arch: str) -> dict:
+    """config.json of the HF architecture from {arch}.* (gguf_names.HPARAMS) and tokenizer.ggml.* metadata."""
+    def get(h, default=None):
+        return _int(meta, key(h.key, arch), src, default) if h.kind is int else \
+            _f32(meta.get(key(h.key, arch), default))
+
+    by_key = {h.key: h for h in HPARAMS}
+    hidden, n_heads = get(by_key[Keys.LLM.EMBEDDING_LENGTH]), get(by_key[Keys.Attention.HEAD_COUNT])
+    head_dim = get(by_key[Keys.Attention.KEY_LENGTH], hidden // n_heads)
+    for k in (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT):  # the other head_dim keys
+        if get(by_key[k], head_dim) != head_dim:
+            raise GGUFError(f"{src}: {key(k, arch)}={meta[key(k, arch)]} differs from head_dim {head_dim} "
+                            "(partial RoPE or value heads of another size): not supported by lean")
+    experts = key(MOE_HPARAMS[0].key, arch)
+    if _int(meta, experts, src, default=0) > 0:
+        raise GGUFError(f"{src}: {experts}={meta[experts]}: a mixture-of-experts model; lean's GGUF converter "
+                        "reads dense models only: use the HF safetensors release of this model")
     names = {t.name for t in reader.tensors}
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    vocab = _int(meta, "llama.vocab_size", src, default=len(tokens) or None)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": _int(meta, "llama.feed_forward_length", src),
-        "num_hidden_layers": _int(meta, "llama.block_count", src),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": _int(meta, "llama.context_length", src),
-        "vocab_size": vocab,
-        "tie_word_embeddings": "output.weight" not in names,
-    }
-    scaling = _rope_scaling(meta, reader, src)
+    config = {"architectures": [HF_ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu", "head_dim": head_dim}
+    defaults = {"num_key_value_heads": n_heads, "vocab_size": len(tokens) or None, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0}
+    for h in HPARAMS:
+        if h.hf != "head_dim":
+            config[h.hf] = get(h, defaults.get(h.hf))
+    biases = {n.split(".", 2)[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
+    if arch == "llama":  # llama.cpp loads q/k/v/o biases when the file has them (attention_bias)
+        config.update(attention_bias=bool(biases), mlp_bias=False)
+    config["tie_word_embeddings"] = "output.weight" not in names
+    scaling = _rope_scaling(meta, reader, src, arch)
     if scaling:
         config["rope_scaling"] = scaling
     for name in ("bos", "eos", "pad"):
@@ -335,56 +333,45 @@ def _hf_config(meta: dict, reader, src: Path) -> dict:
 
 # ----------------------------------------------------------------------------- weights
 
-def _tensor_plan(reader, config: dict, src: Path) -> list:
+def _tensor_plan(reader, config: dict, src: Path, arch: str) -> list:
     """[(HF name, ReaderTensor, HF shape, heads to unpermute or 0)] in HF-name order; refuses
     unknown or missing tensors and shapes that disagree with the config."""
     n_layers = config["num_hidden_layers"]
-    heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
     plan = []
     for t in reader.tensors:
-        hf, n_heads = GGUF_NAMES.get(t.name), 0
-        if hf is None and t.name.startswith("blk."):
-            _, layer, rest = t.name.split(".", 2)
-            if layer.isdigit() and int(layer) < n_layers and rest in GGUF_TO_HF_LAYER:
-                hf, n_heads = f"model.layers.{layer}.{GGUF_TO_HF_LAYER[rest]}", heads.get(rest, 0)
-        if hf is None:
-            raise GGUFError(f"{src}: tensor {t.name} is not a dense llama tensor lean knows (biases, "
-                            "experts and extra tensors are not supported); nothing was written")
+        found = hf_name_of(arch, t.name)
+        layer = t.name.split(".")[1] if t.name.startswith("blk.") else None
+        if found is None or (layer is not None and int(layer) >= n_layers):
+            raise GGUFError(f"{src}: tensor {t.name} is not a {arch} tensor lean knows (experts and extra tensors "
+                            "are not supported); nothing was written")
+        hf, part = found
         # GGUF lists ne0 (columns) first; sync: none (numpy metadata on the host)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # sync: none
-        plan.append((hf, t, shape, n_heads))
-    _check_plan(plan, config, src)
+        plan.append((hf, t, shape, heads.get(part.rope, 0)))
+    _check_plan(plan, config, src, arch)
     return sorted(plan, key=lambda p: p[0])
 
 
-def _check_plan(plan: list, config: dict, src: Path):
-    C, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    Oq = config["num_attention_heads"] * config["head_dim"]
-    Okv = config["num_key_value_heads"] * config["head_dim"]
-    expected = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
-    if not config["tie_word_embeddings"]:
-        expected["lm_head.weight"] = (V, C)
-    layer = {"input_layernorm.weight": (C,), "post_attention_layernorm.weight": (C,),
-             "self_attn.q_proj.weight": (Oq, C), "self_attn.k_proj.weight": (Okv, C),
-             "self_attn.v_proj.weight": (Okv, C), "self_attn.o_proj.weight": (C, Oq),
-             "mlp.gate_proj.weight": (F, C), "mlp.up_proj.weight": (F, C), "mlp.down_proj.weight": (C, F)}
-    for i in range(config["num_hidden_layers"]):
-        expected.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+def _check_plan(plan: list, config: dict, src: Path, arch: str):
+    from ..models.config import config_from_hf
+    from ..models.weights import layer_fields
+
+    cfg = config_from_hf(config)
+    expected = {"model.embed_tokens.weight": (cfg.vocab, cfg.hidden), "model.norm.weight": (cfg.hidden,)}
+    if not cfg.tie_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab, cfg.hidden)
+    for i in range(cfg.n_layers):
+        expected.update({f"model.layers.{i}.{suffix}": shape for _, suffix, shape in layer_fields(cfg, i)})
     got = {hf: (shape, t.name) for hf, t, shape, _ in plan}
     missing = [k for k in expected if k not in got]
     if missing:
         raise GGUFError(f"{src}: {len(missing)} tensor(s) missing, e.g. {', '.join(missing[:4])}: the file "
-                        "is not a complete llama GGUF")
+                        f"is not a complete {arch} GGUF")
     for hf, (shape, name) in got.items():
         if shape != expected[hf]:
             raise GGUFError(f"{src}: tensor {name} has shape {shape} but the metadata implies {expected[hf]}: "
                             "the file is inconsistent")
-
-
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation: rows read as (H, D/2, 2, ...) are written as (H, 2, D/2, ...)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantized(t, shape, n_heads) -> np.ndarray:

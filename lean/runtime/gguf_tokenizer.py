@@ -2,22 +2,17 @@
 converter writes them next to the weights).
 
 Byte-level BPE ("gpt2" tokenizer model) only: vocabulary from tokenizer.ggml.tokens, merges, the
-pre-tokenizer named by tokenizer.ggml.pre (gpt2/default; smollm-style digit splitting, as llama.cpp
-does; Llama 3's split), token_type 3 (control) and 4 (user-defined) as added tokens, a ByteLevel
+pre-tokenizer named by tokenizer.ggml.pre (gguf_names.PRE: gpt2/default; smollm-style digit
+splitting, as llama.cpp does; Llama 3's split; Qwen2's, with the NFC normalizer Qwen's releases
+ship; o200k's "gpt-4o"), token_type 3 (control) and 4 (user-defined) as added tokens, a ByteLevel
 decoder, and BOS added when the metadata asks. Anything else raises GGUFError naming the key.
 """
+import json
 from pathlib import Path
 
 from .gguf import GGUFError
+from .gguf_names import PRE, PRE_ALIASES
 
-# Pre-tokenizers: tokenizer.ggml.pre -> how text is split before the BPE merges.
-_GPT2_PRE = ("default", "gpt2", None)
-_DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
-_LLAMA3_SPLIT = (  # Llama 3's tokenizer.json split (as in transformers' GGUF tokenizer mapping)
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
@@ -35,19 +30,13 @@ def _bytes_to_unicode() -> dict:
 
 
 def _pre_tokenizer(pre, src: Path):
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_PRE:
-        return byte_level
-    if pre in _DIGITS_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    supported = [p for p in (*_GPT2_PRE, *_DIGITS_PRE, *_LLAMA3_PRE) if p]
-    raise GGUFError(f"{src}: tokenizer.ggml.pre={pre!r} is not supported by lean's GGUF converter "
-                    f"(supported: {', '.join(supported)}): use the HF release's tokenizer.json")
+    """(normalizer, pre_tokenizer) in tokenizer.json's form for tokenizer.ggml.pre (gguf_names.PRE)."""
+    name = PRE_ALIASES.get(pre, pre)
+    if name not in PRE:
+        supported = [p for p in (*PRE, *PRE_ALIASES) if p]
+        raise GGUFError(f"{src}: tokenizer.ggml.pre={pre!r} is not supported by lean's GGUF converter "
+                        f"(supported: {', '.join(supported)}): use the HF release's tokenizer.json")
+    return PRE[name]
 
 
 def tokenizer_json(meta: dict, src: Path) -> str:
@@ -72,8 +61,8 @@ def tokenizer_json(meta: dict, src: Path) -> str:
 
     vocab = {spelled(tok): i for i, tok in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    normalizer, pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), src)
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), src)
     tok.decoder = decoders.ByteLevel()
     # control tokens written outside the byte alphabet are llama.cpp mislabels: left as normal tokens
     special = [t for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
@@ -81,7 +70,9 @@ def tokenizer_json(meta: dict, src: Path) -> str:
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     tok.post_processor = _post_processor(meta, tokens)
-    return tok.to_str()
+    data = json.loads(tok.to_str())
+    data["normalizer"], data["pre_tokenizer"] = normalizer, pre_tokenizer
+    return Tokenizer.from_str(json.dumps(data)).to_str()  # parsed once: the table's JSON is checked
 
 
 def _post_processor(meta: dict, tokens: list):

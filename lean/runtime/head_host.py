@@ -79,6 +79,7 @@ class HostHead:
         self.chunk_v = min(chunk_v or chunk_rows(self.V, self.C, w.element_size()), self.V)
         self.n = triton.cdiv(self.V, self.chunk_v)
         self.buf = [torch.empty(self.chunk_v, self.C, dtype=w.dtype, device=self.device) for _ in range(2)]  # 2 x (Vc, C)
+        self.device = self.buf[0].device  # "cuda" -> "cuda:0": compared with h.device by the kernel
         self.on_gpu = self.device.type == "cuda"
         self._plans = {}
         if self.on_gpu:

@@ -100,7 +100,7 @@ def shard_files(model_dir: Path):
     raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
 
 
-def load_model(path_or_id, dtype=torch.bfloat16, device=None, quant=None):
+def load_model(path_or_id, dtype=torch.bfloat16, device=None, quant=None, stage_tables=False):
     """Load config and weights into a lean Model (flat per-layer tensors in `dtype` on `device`).
     quant="nf4": the seven projections of every layer quantised to NF4 as they load (QLoRA; see
     models/weights.py). A checkpoint already in bitsandbytes' 4-bit layout loads as NF4 either way."""
@@ -134,7 +134,8 @@ def load_model(path_or_id, dtype=torch.bfloat16, device=None, quant=None):
                 if name in handle.keys():
                     return handle.get_tensor(name)
 
-    return _fill(_stored_as(cfg, names, quant, read), tensors(), dtype, device, str(model_dir), names)
+    return _fill(_stored_as(cfg, names, quant, read), tensors(), dtype, device, str(model_dir), names,
+                 stage_tables=stage_tables)
 
 
 def model_from_tensors(config: dict, tensors: dict, dtype=torch.bfloat16, device=None, quant=None):
@@ -224,13 +225,13 @@ def _stored_as(cfg, names, quant=None, read=None):
     return dataclasses.replace(cfg, expert_quant="mxfp4" if mx else "")
 
 
-def _fill(cfg, named, dtype, device, path, names=()):
+def _fill(cfg, named, dtype, device, path, names=(), stage_tables=False):
     """Copy (name, get_tensor, source) items into a fresh model through the name map (names: every
     tensor name the items hold, for the NF4 weights stored with a quant state)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     arch(torch.device(device))  # a GPU lean cannot run on is refused here, before any weight moves
-    model = empty_model(cfg, dtype, device, path=path)
+    model = empty_model(cfg, dtype, device, path=path, stage_tables=stage_tables)
     targets = dict(model.hf_tensors())
     # The hub's per-expert tensors fill slices of the fused expert views (weights.expert_aliases):
     # a fused tensor counts as loaded once every one of its slices has been.

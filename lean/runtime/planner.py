@@ -158,15 +158,16 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
         if ("rates", n_tokens) not in model.cache:
             model.cache["rates", n_tokens] = measure_rates(model, n_tokens)
         rates = model.cache["rates", n_tokens]
+    staged = model.cache.pop("staged", False) and on_gpu  # tables loaded to the host for this plan to place
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [b for layer in model.layers for b in (layer.buf, layer.qbuf)]:
-        if t.data_ptr() not in seen and t.device.type == model.device.type:
+        if t.data_ptr() not in seen and (t.device.type == model.device.type or staged and t is not model.norm):
             seen.add(t.data_ptr())
             weights += t.numel() * t.element_size()
     untied = model.embed is not model.lm_head
     table = model.embed.numel() * model.embed.element_size()
     head = model.lm_head.numel() * model.lm_head.element_size()
-    moved = on_gpu and untied and model.embed.device.type == "cpu"  # by an earlier plan_for
+    moved = on_gpu and untied and model.embed.device.type == "cpu" and not staged  # by an earlier plan_for
     head_moved = "head" in model.cache  # likewise (head_host.head_to_host; a tied table with it)
     movable = on_gpu and untied and not moved and budget_bytes is not None
     head_movable = on_gpu and not head_moved and budget_bytes is not None
@@ -182,9 +183,17 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
         plan = replace(plan, embed_host=True,
                        cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))
     elif plan.embed_host and untied:
-        embed_to_host(model)
+        embed_to_host(model)  # a staged table stays where it is
     if plan.head_host and not head_moved:
         head_to_host(model)
+    if staged:  # the tables this plan keeps on the GPU go there now
+        if not plan.head_host:
+            tied = not untied
+            model.lm_head = model.lm_head.to(model.device)  # sync: set-up, once, before the first step
+            if tied:
+                model.embed = model.lm_head
+        if untied and not plan.embed_host:
+            model.embed = model.embed.to(model.device)
     return plan
 
 

@@ -2,6 +2,7 @@
 
     check_config(cfg)          # ConfigError naming the flag, the value and what is allowed
     RANGES["lr"].text          # "a number in (0, 1]": the same words in --help and in the error
+    check_export_gguf("Q4_K_M")  # --export-gguf's type, or ConfigError naming the types written
 
 Checked: every number against RANGES (NaN and inf are outside every range), --warmup against
 --steps, --shard-weights with --load-in-4bit (refused), the LoRA targets, --dtype and --device against this machine, --resume with --overwrite,
@@ -162,6 +163,19 @@ def _check_out(out, model, data):
     if m.is_dir() and o == m:
         raise ConfigError(f"--out {out} is the --model folder: the run's files would mix with the model's; "
                           "pass another --out")
+
+
+def check_export_gguf(gguf_type):
+    """--export-gguf TYPE: ConfigError for a type the GGUF export does not write (None: no export)."""
+    if gguf_type is None:
+        return None
+    from .gguf import GGUFError
+    from .gguf_export import check_type
+
+    try:
+        return check_type(gguf_type)
+    except GGUFError as e:
+        raise ConfigError(f"--export-gguf {gguf_type}: {str(e).split(': ', 1)[1]}") from None
 
 
 def _check_paths(model, data):

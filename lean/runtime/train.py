@@ -467,13 +467,15 @@ def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
             from .shard import load_sharded
             model = load_sharded(model_dir, dtype, device, dist, quant=cfg.quant)
         else:
-            model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant)
+            model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant,  # tables placed by the plan
+                               stage_tables=cfg.vram_budget is not None and device.startswith("cuda"))
     return model_dir, tok, train_docs, heldout, fingerprint, resume, model
 
 
 def _setup(cfg, device, dtype_name, loaded):
     """(LoRA, AdamW, held-out batches) of what _load loaded; under --vram-budget on a GPU the early
-    plan first (it may move the embedding table to the host before the LoRA state is allocated)."""
+    plan first: it places the tables the load staged on the host (the embedding table may stay
+    there) before the LoRA state is allocated."""
     model_dir, heldout, model = loaded[0], loaded[3], loaded[6]
     with _out_of_memory(model_dir, dtype_name, device):
         if cfg.vram_budget is not None and device.startswith("cuda"):

@@ -462,14 +462,14 @@ def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):
     root, _ = setup
     docs, grads, start = [list(range(3, 20)), list(range(7, 18))], [], None
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    real = tdist.all_gather_single
+    real = tdist.all_gather_into_tensor
     try:
         for sharded in (False, True):
             model = load_model(root / "model3", dtype=torch.float32, device="cpu")
             calls = []
             if sharded:
                 model = shard_model(model, Dist(), "cpu")
-                tdist.all_gather_single = lambda out, part, **kw: calls.append(out) or real(out, part, **kw)
+                tdist.all_gather_into_tensor = lambda out, part, **kw: calls.append(out) or real(out, part, **kw)
             lora = LoRA.init(model, r=4, alpha=8, targets=["down"], dropout=0.1, seed=1)
             if start is None:  # B nonzero: every gradient flows
                 start = torch.rand(lora.numel, generator=fresh_generator("cpu")) - 0.5
@@ -487,5 +487,5 @@ def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):
                 assert per_step == [4, 6], per_step
         assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
     finally:
-        tdist.all_gather_single = real
+        tdist.all_gather_into_tensor = real
         tdist.destroy_process_group()

@@ -34,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -183,13 +184,20 @@ def hf_rank(args):
 # =============================================================================================
 def _launch(cmd, timeout, env):
     """Run one multi-process row; its ROW line, or an error row with the output's tail."""
+    # its own session: a timeout kills the launcher's ranks too (left running, they held 10 GiB of
+    # GPU 0 into the next row on the H100 x2), and what they printed so far names where they stood
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=os.path.dirname(TOOLS), start_new_session=True)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=os.path.dirname(TOOLS))
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return dict(status="failed", note=f"killed at {timeout} s")
-    rows = [json.loads(x[4:]) for x in res.stdout.splitlines() if x.startswith("ROW ")]
-    if res.returncode != 0 or not rows:
-        return dict(status="failed", note=f"exit {res.returncode}: " + " | ".join((res.stderr or res.stdout).strip().splitlines()[-4:]))
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        tail = " | ".join(((err or "") + (out or "")).strip().splitlines()[-6:])
+        return dict(status="failed", note=f"killed at {timeout} s: {tail}")
+    rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+    if p.returncode != 0 or not rows:
+        return dict(status="failed", note=f"exit {p.returncode}: " + " | ".join((err or out).strip().splitlines()[-4:]))
     return dict(rows[-1], status="ok")
 
 

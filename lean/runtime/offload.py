@@ -234,9 +234,9 @@ class Gather:
         _, buf, qbuf = self.full[key]
         sh, group = self.model.layers[li], self.dist.gathers  # their own group: never behind a bucket's all-reduce
         with self.dist.collective("the weights' all-gather"):
-            works = [dist.all_gather_single(buf, sh.buf, group=group, async_op=True)]
+            works = [dist.all_gather_into_tensor(buf, sh.buf, group=group, async_op=True)]
             if sh.qbuf.numel():
-                works.append(dist.all_gather_single(qbuf, sh.qbuf, group=group, async_op=True))
+                works.append(dist.all_gather_into_tensor(qbuf, sh.qbuf, group=group, async_op=True))
         self.works[li] = works
 
 
@@ -333,7 +333,7 @@ def measure_link(model, repeats=9):
     part, world = model.layers[0].buf, model.shard.world
     with model.shard.dist.collective("measuring the weights' all-gather"):
         return part.numel() * part.element_size() * (world - 1) / _timed(
-            lambda: dist.all_gather_single(buf, part, group=model.shard.dist.gathers, async_op=True).wait(), repeats)
+            lambda: dist.all_gather_into_tensor(buf, part, group=model.shard.dist.gathers, async_op=True).wait(), repeats)
 
 
 def _timed(fn, repeats):

@@ -368,6 +368,22 @@ def test_an_agreed_error_names_the_failing_ranks_block():
     assert len(sent) == 1
 
 
+def test_close_releases_the_captured_graphs_first():
+    """A CUDA graph holding NCCL work keeps the communicator from being destroyed: close() resets every
+    graph StepGraph handed it before it destroys the process group, and lets go of them."""
+    class Graph:
+        reset_calls = 0
+
+        def reset(self):
+            self.reset_calls += 1
+
+    d, graphs = Dist(rank=0, world=2), [Graph(), Graph()]
+    for g in graphs:
+        d.hold_graph(g)
+    d.close()
+    assert [g.reset_calls for g in graphs] == [1, 1] and d.graphs == []
+
+
 def test_step_ends_issues_the_rest_unless_a_collective_failed():
     """An error mid-step: the rest of the passes' gathers, then every bucket, then the error. A
     failed collective (RankLost): nothing more is issued (it would wait on a dead peer)."""

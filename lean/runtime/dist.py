@@ -151,6 +151,7 @@ class Dist:
         self.peers = list(peers)  # (hostname, pid) of every rank
         self.pending = None  # an error of this rank deferred to the next exchange (deferred())
         self.signal = None  # a stop signal this rank received, held for the next exchange (parallel.deferred_signals)
+        self.graphs = []  # CUDA graphs holding this run's collectives (StepGraph): released before close
 
     @property
     def main(self):
@@ -269,7 +270,15 @@ class Dist:
                f"another rank stopped answering ({first})")
         return RankLost(f"rank {self.rank}: {who} during {what}; the run stops here")
 
+    def hold_graph(self, graph):
+        """A captured CUDA graph with this run's NCCL work in it: NCCL's communicator cannot be destroyed
+        while such a graph lives (ncclCommDestroy waits for it), so close() releases it first."""
+        self.graphs.append(graph)
+
     def close(self):
+        for g in self.graphs:  # first: with one alive, destroy_process_group can hang in ncclCommDestroy
+            g.reset()
+        self.graphs.clear()
         if self.world > 1 and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
 

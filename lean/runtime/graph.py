@@ -115,6 +115,9 @@ class StepGraph:
         with tma_at_every_size():  # Hopper: TMA GEMMs for every projection (host cost paid once)
             self._warm_up()
             self._graph, self._loss = self._capture()
+        run = reducer.dist if reducer is not None else getattr(getattr(model, "shard", None), "dist", None)
+        if run is not None and run.world > 1:
+            run.hold_graph(self._graph)  # it holds NCCL work: released before the process group is destroyed
         self.moe = model.cache.get("moe")  # an MoE model's per-step buffers the replays write (expert load)
 
     def pack(self, docs, vocab=None):

@@ -10,7 +10,7 @@ C/256*210 for Q6_K). A sub-block is 32 values (Q8_0's block, Q4_K's scale group)
 
     dst = torch.empty(R, row_bytes(C, qtype), dtype=torch.uint8, device=w.device)
     quantize_rows(dst, w, qtype)        # qtype a gguf GGMLQuantizationType (or its int): Q8_0, Q4_K, Q6_K
-    raw = dst.cpu().numpy()             # what GGUFWriter.add_tensor(..., raw_dtype=qtype) takes
+    raw = dst.cpu().numpy()             # sync: what GGUFWriter.add_tensor(..., raw_dtype=qtype) takes
 
 Math: each formula is the numpy port's, operation by operation, in float32:
   - every sum over a sub-block runs left to right (as ggml's C loop): the sub-blocks of a program lie

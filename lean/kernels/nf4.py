@@ -104,7 +104,7 @@ def dynamic_map():
     for i in range(7):
         b = linspace(2 ** i + 1)
         means = (b[:-1] + b[1:]) / f(2.0)
-        data += (f(10.0 ** (i - 6)) * means).tolist() + (f(-(10.0 ** (i - 6))) * means).tolist()  # numpy arrays: no device
+        data += (f(10.0 ** (i - 6)) * means).tolist() + (f(-(10.0 ** (i - 6))) * means).tolist()  # sync: none, numpy arrays
     data += [0.0, 1.0]
     data += [0.0] * (256 - len(data))
     return sorted(data)

@@ -147,7 +147,7 @@ def _job(o: Out, e, rows, src, device, on_device: bool):
         w = w.reshape(1, -1) if o.vector else w
         if on_device:
             return _quantize_on_device(w, o.qtype)
-    return w.cpu().numpy()  # sync (in the worker): the merged rows go to numpy's quantiser
+    return w.cpu().numpy()  # sync: in the worker, the merged rows go to numpy's quantiser
 
 
 def _chunks(plan: list, src, device, quantizer):

@@ -165,21 +165,10 @@ def _launch_config():
     return (_INTERP_BLOCK_V, 4) if interpreting() else (_GPU_BLOCK_V, _GPU_ROW_WARPS)
 
 
-def same_device(a, b):
-    """a and b name one device ("cuda" is the current CUDA device, as torch.empty places it)."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    here = torch.cuda.current_device()
-    return (here if a.index is None else a.index) == (here if b.index is None else b.index)
-
-
 def _check_io(h, src, targets=None):
     check(h, "h", shape=(None, None), dtype=(torch.float32, torch.float16, torch.bfloat16), last_contiguous=True)
     N, C = h.shape
-    if (src.C, src.dtype) != (C, h.dtype) or not same_device(src.device, h.device):
+    if (src.C, src.dtype, torch.device(src.device)) != (C, h.dtype, h.device):
         raise ValueError(f"linear_ce_vchunks: the lm_head chunks are ({src.V}, {src.C}) {src.dtype} on {src.device}, "
                          f"h is (N, {C}) {h.dtype} on {h.device}")
     if targets is not None:

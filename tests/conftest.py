@@ -6,8 +6,15 @@ loads this file and before any test module imports lean.
 import fcntl
 import os
 
-import pytest
-import torch
+# Several GPUs (LEAN_TEST_GPUS=2,3, tools/gpu_check.sh TEST_GPUS): each pytest-xdist worker takes
+# one of them, before torch first reads CUDA_VISIBLE_DEVICES, so the suite spreads over the cards
+_gpus = [g for g in os.environ.get("LEAN_TEST_GPUS", "").split(",") if g]
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _gpus and _worker.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(_worker[2:]) % len(_gpus)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 # kernel tests a shared one: a big test runs alone, and every test hands its cached blocks back.
 BIG_GPU_FILES = {"test_step_gpu.py", "test_graph.py", "test_offload.py", "test_train.py", "test_moe_gpu.py",
                  "test_gpt_oss_gpu.py", "test_qlora_gpu.py", "test_head_host.py", "test_dist_gpu.py"}
-GPU_LOCK = "/tmp/lean-gpu-tests.lock"
+GPU_LOCK = f"/tmp/lean-gpu-tests{os.environ.get('CUDA_VISIBLE_DEVICES', '').replace(',', '-')}.lock"  # one per card
 
 
 @pytest.fixture(autouse=True)

@@ -168,3 +168,23 @@ def test_routing_summary_without_ranges():
     r = bench_profile.breakdown(events, steps=1, step_ms=0.2, moe=True)["routing"]
     assert r["basis"] == "families" and "router_gemm" not in r["families"]
     assert r["ms"] == pytest.approx(4e-3) and r["layers_ms"] == pytest.approx(82e-3)
+
+
+def test_dist_launch_keeps_a_row_printed_before_a_hang():
+    """bench_dist._launch: ranks that printed their ROW and then hung on the way out (as in a process
+    group that cannot be destroyed) give the row, the hang noted; ranks that printed none give a
+    failed row with their progress tail; a clean exit gives the row as is."""
+    import bench_dist
+
+    row = '{"framework": "lean", "tokens_per_s": 5.0}'
+    hang = [sys.executable, "-c", f"import sys, time; print('ROW {row}', flush=True); "
+            "print('[rank 0] closing', file=sys.stderr, flush=True); time.sleep(60)"]
+    got = bench_dist._launch(hang, 5, dict(os.environ))
+    assert got["status"] == "ok" and got["tokens_per_s"] == 5.0
+    assert "killed at 5 s after the row" in got["note"] and "[rank 0] closing" in got["note"]
+    silent = [sys.executable, "-c", "import sys, time; print('[rank 1] timing', file=sys.stderr, flush=True); "
+              "time.sleep(60)"]
+    got = bench_dist._launch(silent, 5, dict(os.environ))
+    assert got["status"] == "failed" and "killed at 5 s" in got["note"] and "[rank 1] timing" in got["note"]
+    clean = [sys.executable, "-c", f"print('ROW {row}')"]
+    assert bench_dist._launch(clean, 30, dict(os.environ)) == {"framework": "lean", "tokens_per_s": 5.0, "status": "ok"}

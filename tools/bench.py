@@ -1191,8 +1191,9 @@ def main():
     st.add_argument("--profile", action="store_true", help="instead of the table: lean's GPU time per kernel family "
                     "per step, one model/layout per process (tools/bench_profile.py; default layout packed)")
     st.add_argument("--smoke", action="store_true", help="CPU, tiny configs, interpreter, no timing claims")
-    st.add_argument("--nproc", type=int, help="N GPUs: lean's data-parallel step through torchrun (N x 8192 tokens) "
-                    "beside its one-GPU row, and HF+PEFT through accelerate launch beside its own (tools/bench_dist.py)")
+    st.add_argument("--nproc", type=lambda v: [int(x) for x in v.split(",")], help="N GPUs, or several counts (2,4): "
+                    "lean's data-parallel step through torchrun (N x 8192 tokens) beside its one-GPU row, and HF+PEFT "
+                    "through accelerate launch beside its own (tools/bench_dist.py)")
     st.add_argument("--shard-weights", action="store_true", help="with --nproc: also lean's row with the layers' "
                     "frozen weights sharded over the GPUs (lean.runtime.shard)")
     args = p.parse_args()

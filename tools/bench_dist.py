@@ -3,6 +3,7 @@
 
     python tools/bench.py step --nproc 2 --models llama-3.2-1b,qwen3-8b --graph
     python tools/bench.py step --nproc 4 --models qwen3-8b --shard-weights     # + the sharded row
+    python tools/bench.py step --nproc 2,4 --models llama-3.2-1b --graph      # x2 and x4 rows, one x1 row
     tools/gpu_check.sh dist-bench 2 --models llama-3.2-1b                    # the same, in one device call
 
 Weak scaling (BENCHMARKS.md's goal: >= 0.92 of N x the one-GPU tokens/s): every rank steps its own
@@ -11,7 +12,8 @@ step, so a step trains N x 8192 tokens. The one-GPU rows are bench_step's own (t
 one process each, measured in this run); the N-GPU rows run here as one process per GPU:
   lean xN          torchrun; lean.forward_backward with the gradient's bucketed all-reduce under the
                    backward (lean.runtime.dist.GradReducer), the loss normalised by every rank's
-                   targets, lean.AdamW; --graph: the step with its all-reduce captured in one
+                   targets, lean.AdamW
+  lean+graph xN    (--graph, after the eager row) the step with its all-reduce captured in one
                    StepGraph (the row says if the capture fell back to eager)
   lean xN sharded  (--shard-weights) the same with every layer's frozen weights sharded over the
                    ranks and all-gathered one layer ahead (lean.runtime.shard); goal: >= 0.85 of the
@@ -27,8 +29,10 @@ its own steps and the row takes the slowest rank's median (the step is synchrono
 through its all-reduce). Peak: the largest torch.cuda.max_memory_allocated over the ranks, from
 a reset after the setup (weights, LoRA and optimizer state stay counted; a sharded model is sharded
 before the reset). Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
-Caution: nothing here has run on several GPUs yet (no such machine was lent while it was written);
-`--smoke` runs the lean rows on the CPU with gloo (2 processes, tiny configs) to test the harness.
+Every rank prints its progress on stderr ("[rank 0  12.3 s] step captured"): a row killed at its
+--timeout keeps the tail, and a row whose ranks printed their numbers and then hung on the way out
+keeps the numbers, the hang noted. `--smoke` runs the lean rows on the CPU with gloo (2 processes,
+tiny configs) to test the harness.
 """
 import argparse
 import importlib.util
@@ -37,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -51,6 +56,12 @@ from lean.runtime.dist import MULTICAST_OFF  # noqa: E402 - NVLink multicast off
 # =============================================================================================
 # one rank of lean's row (under torchrun)
 # =============================================================================================
+def _say(d, t0, what):
+    """A progress line on stderr (every rank): a row killed at its timeout keeps the tail, which then
+    says where each rank stood."""
+    print(f"[rank {d.rank} {time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def lean_rank(args):
     from types import SimpleNamespace
 
@@ -59,12 +70,15 @@ def lean_rank(args):
     from lean.runtime.dist import GradReducer, start
     from lean.runtime.shard import shard_model
 
+    t0 = time.perf_counter()
     d = start(SimpleNamespace(device="cpu" if args.smoke else None, dist_timeout=600, shard_weights=args.shard))
+    _say(d, t0, f"process group up ({d.world} ranks, {d.device})")
     lean, model = bench_step.random_model(args.model, d.device, torch.float32 if args.smoke else torch.bfloat16,
                                           args.smoke)  # the same seed on every rank: the same weights
     if args.shard:
         model = shard_model(model, d, d.device)
     cuda = d.device.startswith("cuda")
+    _say(d, t0, "model built" + " and sharded" * args.shard)
     total = bench_step.SMOKE_TOKENS if args.smoke else bench_step.TOKENS
     lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", dropout=0.0, seed=0)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
@@ -80,6 +94,7 @@ def lean_rank(args):
             note.append(f"graph capture failed on rank {d.rank} ({type(e).__name__}: {str(e)[:120]}): eager")
         failed = d.exchange([graph is None])[0]
         graph = graph if not failed else None
+        _say(d, t0, "step captured" if graph is not None else "capture failed: eager")
     if graph is not None:
         fixed = [graph.pack(x) for x in docs]
         n = d.world * fixed[0].n_targets  # every rank's batch has the same targets (the same lengths)
@@ -101,7 +116,9 @@ def lean_rank(args):
         torch.cuda.synchronize()  # sync: setup done
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    _say(d, t0, "timing")
     t, loss = bench_step.time_steps(step, bench_step.WARMUP if not args.smoke else 1, args.steps, cuda)
+    _say(d, t0, f"timed: median {t * 1e3:.1f} ms")
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     stats = torch.tensor([t, float(peak)], dtype=torch.float64, device=d.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -113,6 +130,7 @@ def lean_rank(args):
                    layer_gib_per_rank=weights / 2**30, loss=loss, note="; ".join(note))
         print("ROW " + json.dumps(row), flush=True)
     d.close()
+    _say(d, t0, "process group closed")
 
 
 # =============================================================================================
@@ -194,6 +212,10 @@ def _launch(cmd, timeout, env):
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         tail = " | ".join(((err or "") + (out or "")).strip().splitlines()[-6:])
+        rows = [json.loads(x[4:]) for x in (out or "").splitlines() if x.startswith("ROW ")]
+        if rows:  # measured and printed, then stuck on the way out (the numbers stand; the hang is noted)
+            return dict(rows[-1], status="ok", note=(rows[-1].get("note", "") + f"; ranks killed at {timeout} s "
+                                                     f"after the row: {tail}").lstrip("; "))
         return dict(status="failed", note=f"killed at {timeout} s: {tail}")
     rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
     if p.returncode != 0 or not rows:
@@ -216,35 +238,41 @@ def _named(row, sharded=False):
     return dict(row, framework=name + " sharded" * sharded)
 
 
-def nproc_rows(model, layout, nproc, steps, graph, shard, peers, smoke, timeout):
-    """The one-GPU rows and the N-GPU rows of one model and layout."""
+def nproc_rows(model, layout, nprocs, steps, graph, shard, peers, smoke, timeout):
+    """The one-GPU rows and, for each N of nprocs, the N-GPU rows of one model and layout: lean eager,
+    lean+graph (--graph), lean sharded (--shard-weights: graph if --graph, else eager)."""
     env = dict(os.environ, **MULTICAST_OFF)
     rows = _one_gpu("lean", model, layout, steps, smoke, graph, timeout)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                str(29500 + os.getpid() % 1000), os.path.join(TOOLS, "bench_dist.py"), "lean-rank", "--model", model,
-                "--layout", layout, "--steps", str(steps)] + ["--graph"] * graph + ["--smoke"] * smoke
-    rows.append(_named(dict(_launch(torchrun, timeout, env), nproc=nproc, model=model, layout=layout, graph=graph)))
-    if shard:
-        rows.append(_named(dict(_launch(torchrun + ["--shard"], timeout, env), nproc=nproc, model=model,
-                                layout=layout, graph=graph), sharded=True))
+    for n in nprocs:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+                    str(29500 + (os.getpid() + n) % 1000), os.path.join(TOOLS, "bench_dist.py"), "lean-rank",
+                    "--model", model, "--layout", layout, "--steps", str(steps)] + ["--smoke"] * smoke
+        for g in [False] + [True] * graph:  # eager first: its row stands should the captured one fail
+            rows.append(_named(dict(_launch(torchrun + ["--graph"] * g, timeout, env), nproc=n, model=model,
+                                    layout=layout, graph=g)))
+        if shard:
+            rows.append(_named(dict(_launch(torchrun + ["--shard"] + ["--graph"] * graph, timeout, env), nproc=n,
+                                    model=model, layout=layout, graph=graph), sharded=True))
     for peer in [p for p in ("hf", "unsloth") if p in peers and not smoke]:
         rows += _one_gpu(peer, model, layout, steps, smoke, False, timeout)
         missing = [m for m in ("accelerate", "peft" if peer == "hf" else "unsloth") if importlib.util.find_spec(m) is None]
-        if missing:
-            rows.append(dict(status="skipped", framework=peer, nproc=nproc, model=model, layout=layout,
-                             note=f"{', '.join(missing)} not installed (tools/fetch_wheels.sh: .whl/a, .whl/b): skipped"))
-            continue
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-               "--mixed_precision", "no", os.path.join(TOOLS, "bench_dist.py"), f"{peer}-rank", "--model", model,
-               "--layout", layout, "--steps", str(steps)]
-        rows.append(dict(_launch(cmd, timeout, env), framework=peer, nproc=nproc, model=model, layout=layout))
+        for n in nprocs:
+            if missing:
+                rows.append(dict(status="skipped", framework=peer, nproc=n, model=model, layout=layout,
+                                 note=f"{', '.join(missing)} not installed (tools/fetch_wheels.sh: .whl/a, .whl/b): skipped"))
+                continue
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
+                   "--main_process_port", str(29500 + (os.getpid() + n + 7) % 1000), "--mixed_precision", "no",
+                   os.path.join(TOOLS, "bench_dist.py"), f"{peer}-rank", "--model", model, "--layout", layout,
+                   "--steps", str(steps)]
+            rows.append(dict(_launch(cmd, timeout, env), framework=peer, nproc=n, model=model, layout=layout))
     return rows
 
 
 def table(rows):
     """The rows with their scaling efficiency against the same framework's one-GPU row."""
     one = {(r["framework"], r["model"], r["layout"]): r.get("tokens_per_s") for r in rows if r.get("nproc") == 1}
-    unsharded = {(r["framework"], r["model"], r["layout"]): r.get("tokens_per_s") for r in rows
+    unsharded = {(r["framework"], r["model"], r["layout"], r.get("nproc")): r.get("tokens_per_s") for r in rows
                  if r.get("nproc", 1) > 1}
     out = [f"{'model':14} {'layout':7} {'framework':14} {'GPUs':>4} {'tok/s':>10} {'efficiency':>10} {'peak GiB':>9}  note"]
     for r in rows:
@@ -253,7 +281,7 @@ def table(rows):
         tps = r.get("tokens_per_s")
         eff = f"{tps / (r['nproc'] * base):.3f}" if tps and base and r["nproc"] > 1 else ""
         note = r.get("note", "")
-        ref = unsharded.get((plain, r["model"], r["layout"]))
+        ref = unsharded.get((plain, r["model"], r["layout"], r.get("nproc")))
         if r["framework"].endswith(" sharded") and tps and ref:
             note = (f"{tps / ref:.3f} of unsharded; layers {r.get('layer_gib_per_rank', 0):.2f} GiB a rank; "
                     f"{note}").rstrip("; ")
@@ -265,12 +293,14 @@ def table(rows):
 
 def main(models, layouts, nproc, steps, graph=False, shard=False, peers=("hf",), smoke=False, json_path=None,
          timeout=600):
-    if not smoke and torch.cuda.device_count() < nproc:
-        raise SystemExit(f"bench step --nproc {nproc}: this machine has {torch.cuda.device_count()} GPU(s)")
+    """nproc: one GPU count or several (2,4: one run, the one-GPU rows measured once)."""
+    nprocs = [nproc] if isinstance(nproc, int) else list(nproc)
+    if not smoke and torch.cuda.device_count() < max(nprocs):
+        raise SystemExit(f"bench step --nproc {max(nprocs)}: this machine has {torch.cuda.device_count()} GPU(s)")
     rows = []
     for m in models:
         for layout in layouts:
-            for r in nproc_rows(m, layout, nproc, steps, graph, shard, peers, smoke, timeout):
+            for r in nproc_rows(m, layout, nprocs, steps, graph, shard, peers, smoke, timeout):
                 print("row " + json.dumps(r), flush=True)
                 rows.append(r)
     print(table(rows))

@@ -8,10 +8,11 @@
 #   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)
 #   tools/gpu_check.sh dist-tests   # several GPUs (an nvidia-h100-x2 / -x4 machine): tests/test_dist_gpu.py
 #                                   # (cap TESTS_TIMEOUT); log dist-tests.log
-#   tools/gpu_check.sh dist-bench N [ARGS]  # bench.py step --nproc N ARGS: lean on N GPUs beside one, HF+PEFT
+#   tools/gpu_check.sh dist-bench N[,M] [ARGS]  # bench.py step --nproc N ARGS: lean on N GPUs beside one, HF+PEFT
 #                                   # through accelerate launch (cap STEP_TIMEOUT); logs dist.log, dist.json.
 #                                   # Two parts, two device calls: each cap fits one call's 600 s. NVLink
 #                                   # multicast stays off in both (NCCL_NVLS_ENABLE=0 ...)
+#   TEST_GPUS=2,3 TEST_WORKERS=10 tools/gpu_check.sh tests   # the tests' workers spread over cards 2, 3
 #   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
 #                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
 #                                   # logs get a -portable suffix (tests-portable.log, ...)
@@ -45,7 +46,7 @@ case "$PART" in
     tests|bench|step) ;;
     dist-tests) [ $# -eq 0 ] || { echo "gpu_check.sh: dist-tests takes no args"; exit 2; } ;;
     dist-bench) NPROC=${1:-}
-          [[ "$NPROC" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: dist-bench needs the GPU count first (dist-bench 2 [ARGS])"; exit 2; }
+          [[ "$NPROC" =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "gpu_check.sh: dist-bench needs the GPU count first (dist-bench 2 [ARGS])"; exit 2; }
           shift ;;
     wheels) [ $# -eq 0 ] || { echo "gpu_check.sh: wheels takes no args"; exit 2; } ;;
     *) echo "gpu_check.sh: unknown part '$PART' (all, tests, bench, step, dist-tests, dist-bench or wheels)"; exit 2 ;;
@@ -122,6 +123,9 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # -v: each worker's line names its test as it ends ("[gw2] ... FAILED tests/..."), so a run killed
     # at its cap still says which failed (the summary comes only at the end)
     python3 -c "import xdist" 2>/dev/null && per_test+=(-n "${TEST_WORKERS:-6}" -v)
+    # TEST_GPUS=2,3: the workers spread over those cards, one each (tests/conftest.py), e.g. beside
+    # dist-tests on cards 0,1 of an x4 machine
+    [ -n "${TEST_GPUS:-}" ] && export LEAN_TEST_GPUS=$TEST_GPUS
     args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(-m gpu tests)  # the CPU tests run in CI; here the gpu-marked ones
     timeout "$TESTS_TIMEOUT" python3 -m pytest -q --durations=10 "${per_test[@]}" "${args[@]}" 2>&1 \

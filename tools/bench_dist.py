@@ -27,8 +27,8 @@ one process each, measured in this run); the N-GPU rows run here as one process 
 Timing: as bench_step (median of --steps CUDA-event-timed steps after 3 warm-ups); each rank times
 its own steps and the row takes the slowest rank's median (the step is synchronous across ranks
 through its all-reduce). Peak: the largest torch.cuda.max_memory_allocated over the ranks, from
-a reset after the setup (weights, LoRA and optimizer state stay counted; a sharded model is sharded
-before the reset). Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
+a reset after the setup and before the step's capture (weights, LoRA and optimizer state stay
+counted, and so does a captured step's memory pool; a sharded model is sharded before the reset). Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
 Every rank prints its progress on stderr ("[rank 0  12.3 s] step captured"): a row killed at its
 --timeout keeps the tail, and a row whose ranks printed their numbers and then hung on the way out
 keeps the numbers, the hang noted. `--smoke` runs the lean rows on the CPU with gloo (2 processes,
@@ -87,6 +87,10 @@ def lean_rank(args):
     docs = [[rng.integers(0, model.config.vocab, n).tolist() for n in bench_step.doc_lengths(args.layout, total)]
             for _ in range(2)]
     note, graph = [], None
+    if cuda:  # the peak counts from here: the setup's weights, LoRA and optimizer state stay in it, and a
+        torch.cuda.synchronize()  # sync: setup done   # captured step's pool (allocated while capturing) too
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     if args.graph and cuda:
         try:
             graph = lean.StepGraph(model, lora, opt, budget=total, max_docs=bench_step.MAX_DOCS, reducer=reducer)
@@ -112,10 +116,6 @@ def lean_rank(args):
             reducer.finish()
             opt.step()
             return loss / batches[i % 2].n_targets  # this rank's mean loss
-    if cuda:
-        torch.cuda.synchronize()  # sync: setup done
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     _say(d, t0, "timing")
     t, loss = bench_step.time_steps(step, bench_step.WARMUP if not args.smoke else 1, args.steps, cuda)
     _say(d, t0, f"timed: median {t * 1e3:.1f} ms")

@@ -122,13 +122,18 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # GPU suite ran in 129 s with 6 workers on the H100 machine, >320 s serially)
     # -v: each worker's line names its test as it ends ("[gw2] ... FAILED tests/..."), so a run killed
     # at its cap still says which failed (the summary comes only at the end)
+    # -o timeout_func_only: a test's 120 s cover its own run, not its wait for the card's lock (a whole-model
+    # test waits behind the others on its card: counted, they failed a whole stretch of the suite on the x4)
+    python3 -c "import pytest_timeout" 2>/dev/null && per_test+=(-o timeout_func_only=true)
     python3 -c "import xdist" 2>/dev/null && per_test+=(-n "${TEST_WORKERS:-6}" -v)
     # TEST_GPUS=2,3: the workers spread over those cards, one each (tests/conftest.py), e.g. beside
     # dist-tests on cards 0,1 of an x4 machine
     [ -n "${TEST_GPUS:-}" ] && export LEAN_TEST_GPUS=$TEST_GPUS
     args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(-m gpu tests)  # the CPU tests run in CI; here the gpu-marked ones
-    timeout "$TESTS_TIMEOUT" python3 -m pytest -q --durations=10 "${per_test[@]}" "${args[@]}" 2>&1 \
+    quiet=(-q)
+    [[ " ${per_test[*]} " == *" -v "* ]] && quiet=()  # -q and -v cancel: the worker lines need -v alone
+    timeout "$TESTS_TIMEOUT" python3 -m pytest "${quiet[@]}" --durations=10 "${per_test[@]}" "${args[@]}" 2>&1 \
         | tee "$OUT/tests$SUFFIX.log"
     tests_rc=$?
 fi

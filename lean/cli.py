@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
       f"{', '.join(GGUF_TYPES)} (lean-export writes it for a finished run, or the adapter alone)")
     a("--shard-weights", action="store_true", help="under torchrun: each process holds 1/N of every layer's "
       "frozen weights and all-gathers a layer's weights one layer ahead of its use (a model too big for one GPU)")
+    a("--tables-on-host", action="store_true", help="CUDA: hold the embedding table "
+      "and the lm_head in pinned host memory (the embedding reads the batch's rows, the loss streams the lm_head "
+      "in chunks over PCIe): with --shard-weights a GPU then holds only its share of the layers")
     a("--dist-timeout", type=int, default=d.dist_timeout, field="dist_timeout", help="under torchrun (several "
       "processes, data parallel): seconds a collective waits for the other ranks before the run stops with an error")
     a("--load-in-4bit", action="store_true", help="QLoRA: hold the base model's seven projections in 4-bit NF4 "
@@ -152,7 +155,7 @@ def config_from_args(args):
         report_process=None,  # on a CPU with a core to spare, the report runs beside the training
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph,
         quant="nf4" if args.load_in_4bit else None, dist_timeout=args.dist_timeout,
-        shard_weights=args.shard_weights, **recipe)
+        shard_weights=args.shard_weights, tables_on_host=args.tables_on_host, **recipe)
     if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
         cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
     return cfg

@@ -86,6 +86,7 @@ FLAGS = {"model": "--model", "data": "--data", "out_dir": "--out", "max_tokens":
          "heldout_fraction": "--heldout", "heldout_tokens": "--heldout-tokens", "sample_tokens": "--sample-tokens",
          "dist_timeout": "--dist-timeout"}
 SWITCHES = {"resume": ("--resume", True), "shard_weights": ("--shard-weights", True),
+            "tables_on_host": ("--tables-on-host", True),
             "progress": ("--quiet", False), "tensorboard": ("--no-tensorboard", False)}
 
 

@@ -231,3 +231,49 @@ def test_staged_tables_go_where_the_plan_puts_them_gpu():
     # LoRA part, to the allocator's rounding; a table on the GPU at any point would add 1.16 GiB
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= plan.memory.peak - plan.memory.lora + 64 * 2**20, (peak, plan.memory)
+
+
+def test_tables_on_host_flag_and_its_cpu_no_op():
+    """lean-train --tables-on-host reaches TrainConfig; on a CPU device tables_to_host moves nothing."""
+    from lean.cli import build_parser, config_from_args
+    from lean.runtime.head_host import tables_to_host
+
+    args = build_parser().parse_args(["--model", "m", "--data", "d.jsonl", "--tables-on-host"])
+    assert config_from_args(args).tables_on_host is True
+    assert config_from_args(build_parser().parse_args(["--model", "m", "--data", "d.jsonl"])).tables_on_host is False
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("qwen3", 1), gen)
+    embed, head = model.embed, model.lm_head
+    assert tables_to_host(model) == 0 and "head" not in model.cache
+    assert model.embed is embed and model.lm_head is head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tied", [False, True])
+def test_tables_to_host_gpu(tied):
+    """tables_to_host: both tables (one when tied) in pinned host memory, their bytes freed on the GPU,
+    and the step equal to the step with them on the device (the streamed loss adds in another order)."""
+    from lean.runtime.head_host import tables_to_host
+
+    gen = fresh_generator("cuda")
+    model = _model(dict(PRESETS["qwen3-0.6b"], num_hidden_layers=2, tie_word_embeddings=tied), gen,
+                   dtype=torch.bfloat16, device="cuda")
+    assert (model.embed is model.lm_head) == tied
+    lora = _lora(model, 16, 0.0, gen)
+    batch = _batch(model, gen, 2048, device="cuda", mean=300)
+    lora.zero_grad()
+    loss0, _ = lean.forward_backward(model, lora, batch, seed=1)
+    grads0 = lora.grads.clone()
+    table = model.embed.numel() * model.embed.element_size()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    freed = tables_to_host(model)
+    torch.cuda.synchronize()
+    assert freed == table * (1 if tied else 2)
+    assert model.embed.is_pinned() and model.lm_head.is_pinned() and (model.embed is model.lm_head) == tied
+    assert before - torch.cuda.memory_allocated() >= freed - 2 * model.cache["head"].chunk_v * model.config.hidden * 2
+    lora.zero_grad()
+    loss1, _ = lean.forward_backward(model, lora, batch, seed=1)
+    assert abs(loss1.item() - loss0.item()) <= 1e-4 * abs(loss0.item()), (loss1.item(), loss0.item())
+    err = ((lora.grads - grads0).norm() / grads0.norm()).item()
+    assert err < 1e-2, err

@@ -19,6 +19,9 @@ one process each, measured in this run); the N-GPU rows run here as one process 
                    ranks and all-gathered one layer ahead (lean.runtime.shard); goal: >= 0.85 of the
                    unsharded row's tokens/s, and a per-GPU peak under a quarter of the weights plus
                    the one-layer working set on 4 GPUs (the row prints both numbers)
+  ... sharded+host the same with the embedding and lm_head in pinned host memory too (lean-train
+                   --tables-on-host: the loss streams the lm_head in chunks), so that a GPU holds
+                   only its share of the layers
   HF+PEFT xN       `accelerate launch --multi_gpu` (torch DDP under accelerate), the peer's usual
                    multi-GPU path; skipped with a note when accelerate is not installed
   Unsloth xN       (--peers with unsloth) Unsloth's documented multi-GPU mode: its model on each
@@ -28,7 +31,8 @@ Timing: as bench_step (median of --steps CUDA-event-timed steps after 3 warm-ups
 its own steps and the row takes the slowest rank's median (the step is synchronous across ranks
 through its all-reduce). Peak: the largest torch.cuda.max_memory_allocated over the ranks, from
 a reset after the setup and before the step's capture (weights, LoRA and optimizer state stay
-counted, and so does a captured step's memory pool; a sharded model is sharded before the reset). Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
+counted, and so does a captured step's memory pool; a sharded model is sharded before the reset).
+Efficiency = tokens/s of the N-GPU row / (N x the one-GPU row's).
 Every rank prints its progress on stderr ("[rank 0  12.3 s] step captured"): a row killed at its
 --timeout keeps the tail, and a row whose ranks printed their numbers and then hung on the way out
 keeps the numbers, the hang noted. `--smoke` runs the lean rows on the CPU with gloo (2 processes,
@@ -77,6 +81,9 @@ def lean_rank(args):
                                           args.smoke)  # the same seed on every rank: the same weights
     if args.shard:
         model = shard_model(model, d, d.device)
+    if args.tables_host:
+        from lean.runtime.head_host import tables_to_host
+        tables_to_host(model)
     cuda = d.device.startswith("cuda")
     _say(d, t0, "model built" + " and sharded" * args.shard)
     total = bench_step.SMOKE_TOKENS if args.smoke else bench_step.TOKENS
@@ -126,7 +133,7 @@ def lean_rank(args):
     if d.main:
         weights = sum(x.numel() * x.element_size() for layer in model.layers for x in (layer.buf, layer.qbuf))
         row = dict(framework="lean", nproc=d.world, model=args.model, layout=args.layout, sharded=args.shard,
-                   graph=graph is not None, ms=t * 1e3, tokens_per_s=d.world * total / t, peak_gib=peak / 2**30,
+                   tables_host=args.tables_host, graph=graph is not None, ms=t * 1e3, tokens_per_s=d.world * total / t, peak_gib=peak / 2**30,
                    layer_gib_per_rank=weights / 2**30, loss=loss, note="; ".join(note))
         print("ROW " + json.dumps(row), flush=True)
     d.close()
@@ -232,10 +239,11 @@ def _one_gpu(framework, model, layout, steps, smoke, graph, timeout):
                  tokens_per_s=r["tokens"] / (r["ms"] / 1e3) if "ms" in r else None) for r, name in named]
 
 
-def _named(row, sharded=False):
-    """A lean N-GPU row named as its one-GPU counterpart (lean, lean+graph), plus " sharded"."""
+def _named(row, sharded=False, host=False):
+    """A lean N-GPU row named as its one-GPU counterpart (lean, lean+graph), plus " sharded" (and
+    "+host": the tables in host memory too)."""
     name = "lean+graph" if row.get("graph") else "lean"
-    return dict(row, framework=name + " sharded" * sharded)
+    return dict(row, framework=name + " sharded" * sharded + "+host" * host)
 
 
 def nproc_rows(model, layout, nprocs, steps, graph, shard, peers, smoke, timeout):
@@ -250,9 +258,11 @@ def nproc_rows(model, layout, nprocs, steps, graph, shard, peers, smoke, timeout
         for g in [False] + [True] * graph:  # eager first: its row stands should the captured one fail
             rows.append(_named(dict(_launch(torchrun + ["--graph"] * g, timeout, env), nproc=n, model=model,
                                     layout=layout, graph=g)))
-        if shard:
-            rows.append(_named(dict(_launch(torchrun + ["--shard"] + ["--graph"] * graph, timeout, env), nproc=n,
-                                    model=model, layout=layout, graph=graph), sharded=True))
+        if shard:  # the layers sharded; then the embedding and lm_head also off the GPU (--tables-on-host)
+            for host in (False, True):
+                rows.append(_named(dict(_launch(torchrun + ["--shard"] + ["--graph"] * graph + ["--tables-host"] * host,
+                                                timeout, env), nproc=n, model=model, layout=layout, graph=graph),
+                                   sharded=True, host=host))
     for peer in [p for p in ("hf", "unsloth") if p in peers and not smoke]:
         rows += _one_gpu(peer, model, layout, steps, smoke, False, timeout)
         missing = [m for m in ("accelerate", "peft" if peer == "hf" else "unsloth") if importlib.util.find_spec(m) is None]
@@ -274,19 +284,19 @@ def table(rows):
     one = {(r["framework"], r["model"], r["layout"]): r.get("tokens_per_s") for r in rows if r.get("nproc") == 1}
     unsharded = {(r["framework"], r["model"], r["layout"], r.get("nproc")): r.get("tokens_per_s") for r in rows
                  if r.get("nproc", 1) > 1}
-    out = [f"{'model':14} {'layout':7} {'framework':14} {'GPUs':>4} {'tok/s':>10} {'efficiency':>10} {'peak GiB':>9}  note"]
+    out = [f"{'model':14} {'layout':7} {'framework':24} {'GPUs':>4} {'tok/s':>10} {'efficiency':>10} {'peak GiB':>9}  note"]
     for r in rows:
-        plain = r["framework"].removesuffix(" sharded")
+        plain = r["framework"].split(" sharded")[0]
         base = one.get((plain, r["model"], r["layout"]))
         tps = r.get("tokens_per_s")
         eff = f"{tps / (r['nproc'] * base):.3f}" if tps and base and r["nproc"] > 1 else ""
         note = r.get("note", "")
         ref = unsharded.get((plain, r["model"], r["layout"], r.get("nproc")))
-        if r["framework"].endswith(" sharded") and tps and ref:
+        if " sharded" in r["framework"] and tps and ref:
             note = (f"{tps / ref:.3f} of unsharded; layers {r.get('layer_gib_per_rank', 0):.2f} GiB a rank; "
                     f"{note}").rstrip("; ")
         shown = f"{tps:,.0f}" if tps else r.get("status", "")
-        out.append(f"{r['model']:14} {r['layout']:7} {r['framework']:14} {r['nproc']:>4} {shown:>10} {eff:>10} "
+        out.append(f"{r['model']:14} {r['layout']:7} {r['framework']:24} {r['nproc']:>4} {shown:>10} {eff:>10} "
                    f"{r.get('peak_gib', 0) or 0:>9.2f}  {note}")
     return "\n".join(out)
 
@@ -317,6 +327,7 @@ def _child():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--graph", action="store_true")
     p.add_argument("--shard", action="store_true")
+    p.add_argument("--tables-host", action="store_true")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     (lean_rank if args.role == "lean-rank" else hf_rank)(args)

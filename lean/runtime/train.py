@@ -140,6 +140,7 @@ class TrainConfig:
                                   # pays (lean-train's choice; a spawned process imports the caller's __main__)
     dist_timeout: int = DIST_TIMEOUT  # data parallel (torchrun): seconds a collective may wait for the other ranks
     shard_weights: bool = False   # data parallel: each rank holds 1/N of every layer's frozen weights (shard.py)
+    tables_on_host: bool = False  # CUDA: the embedding and lm_head in pinned host memory (head_host.tables_to_host)
 
 
 # ---------------------------------------------------------------- setup
@@ -286,6 +287,8 @@ def _train(cfg, out, dist) -> dict:
     model_dir, tok, train_docs, heldout, fingerprint, resume, model, lora, opt, eval_batches = loaded
     vocab = model.config.vocab
     sharded = gather_of(model) is not None
+    if cfg.tables_on_host and model.device.type != "cuda":
+        say("lean-train: --tables-on-host on the CPU: the tables are in host memory already")
     if cfg.shard_weights and not sharded:
         say("lean-train: --shard-weights with one process: the weights stay whole (start several with torchrun)")
     if sharded and cfg.sample_tokens:  # a sample is one rank's generation; every rank holds a part of the layers
@@ -468,7 +471,11 @@ def _load(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
             model = load_sharded(model_dir, dtype, device, dist, quant=cfg.quant)
         else:
             model = load_model(model_dir, dtype=dtype, device=device, quant=cfg.quant,  # tables placed by the plan
-                               stage_tables=cfg.vram_budget is not None and device.startswith("cuda"))
+                               stage_tables=cfg.vram_budget is not None and device.startswith("cuda")
+                               and not cfg.tables_on_host)
+        if cfg.tables_on_host:
+            from .head_host import tables_to_host
+            tables_to_host(model)  # before any plan: the planner counts them on the host
     return model_dir, tok, train_docs, heldout, fingerprint, resume, model
 
 

@@ -70,7 +70,7 @@ Equal to one process: after k steps the LoRA parameters equal those of a single-
 grad_accum = world x G over the same micro-batches to fp32 rounding (the gradient sums in another
 order; with 2 ranks and G = 1 the sum of two partials is one commutative add: the same bits);
 tests/test_dist.py (CPU, gloo, 2 and 3 processes through the interpreter); tests/test_dist_gpu.py
-holds the same in bf16 on 2 GPUs with NCCL and the captured step (written; not run yet).
+holds the same in bf16 on 2 GPUs with NCCL and the captured step (passed on 4 x H100, 2026-11-26).
 Caution: a rank's out_dir must be readable by every rank (checkpoints are read by all, written by
 rank 0): one machine, or a shared file system.
 """

@@ -39,7 +39,8 @@ raises rank 0's message (save_interrupted). A second signal acts at once, as in 
 --shutdown_timeout seconds (30 by default) after its signal: the step in flight and rank 0's save
 must end by then.
 Tested: tests/test_dist.py (2 and 3 CPU processes: a SIGINT to one rank mid-step, errors, NaN,
-OOM, a killed rank, sharded evaluation rounds). On GPUs (NCCL): not run yet.
+OOM, a killed rank, sharded evaluation rounds). On GPUs (NCCL): the steps and their equalities
+(tests/test_dist_gpu.py, 4 x H100); the agreement on errors is tested on gloo only.
 """
 import signal
 from contextlib import contextmanager

@@ -32,7 +32,7 @@ bitsandbytes' 4-bit layout loads as stored.
 Equal to the unsharded run: the gathered buffers are the same bits, so the step is: bit for bit in
 one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
 and 3 CPU processes (gloo) equal one process to fp32 rounding (the ranks' gradients sum in another
-order). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (written; not run yet).
+order). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (passed on 4 x H100, 2026-11-26).
 Caution: every pass over a sharded model is collective (each rank must run the same layers in the
 same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
 (one rank's generation) are off under --shard-weights.

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
       "frozen weights and all-gathers a layer's weights one layer ahead of its use (a model too big for one GPU)")
     a("--tables-on-host", action="store_true", help="CUDA: hold the embedding table "
       "and the lm_head in pinned host memory (the embedding reads the batch's rows, the loss streams the lm_head "
-      "in chunks over PCIe): with --shard-weights a GPU then holds only its share of the layers")
+      "in chunks over PCIe); --shard-weights takes the tables off the GPU by itself (the embedding to the host, the "
+      "lm_head sharded over the GPUs)")
     a("--dist-timeout", type=int, default=d.dist_timeout, field="dist_timeout", help="under torchrun (several "
       "processes, data parallel): seconds a collective waits for the other ranks before the run stops with an error")
     a("--load-in-4bit", action="store_true", help="QLoRA: hold the base model's seven projections in 4-bit NF4 "

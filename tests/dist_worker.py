@@ -4,7 +4,8 @@
     forked(spec, env, out, err)                   # the same in a process forked from a warm server
 
 spec: {"cfg": TrainConfig fields, "fault": {"kind", "rank", "step"} or absent, "cli": true or
-absent}: with "cli" the rank runs lean-train's main on the same settings as flags (cli_argv), else
+absent, "head_rows": the lm_head's chunk rows or absent}: with "cli" the rank runs lean-train's
+main on the same settings as flags (cli_argv), else
 train() here. A fault is injected into the step's forward_backward (lean/runtime/parallel.py) on
 one rank, at one optimizer step (1-based):
     kill    the process notes the time (out_dir.logs/killed_at) and SIGKILLs itself there (a rank
@@ -109,6 +110,9 @@ def main(spec):
     import lean.runtime.train as T
 
     rank = int(os.environ.get("RANK", "0"))
+    if spec.get("head_rows"):  # the lm_head's chunks (head_host.chunk_rows): several of a tiny vocabulary
+        import lean.runtime.head_host as H
+        H.chunk_rows = lambda V, C, elsize, rows=spec["head_rows"]: min(rows, V)
     cfg = T.TrainConfig(**spec["cfg"])
     if rank != 0:
         _forbid_writes(T)

@@ -120,15 +120,16 @@ def _forkserver_stops():
     forkserver._forkserver._stop()  # private, stable since 3.8: the one way to wait for the server
 
 
-def run_ranks(world, cfg, fault=None, deadline=DEADLINE, ended=None, cli=False):
+def run_ranks(world, cfg, fault=None, deadline=DEADLINE, ended=None, cli=False, head_rows=None):
     """Start `world` ranks of tests.dist_worker; [(returncode, stdout, stderr)] per rank. Each is
     reaped as it ends (ended: a list that gets each rank's end time); past the deadline every rank
     is killed and the test fails (a hang). On the CPU the ranks are forked from _forkserver; on a
     GPU each is a fresh `python -m tests.dist_worker` (no CUDA state may cross a fork).
-    cli: every rank runs lean-train's main on cfg's settings as flags (tests/dist_worker.py)."""
+    cli: every rank runs lean-train's main on cfg's settings as flags (tests/dist_worker.py).
+    head_rows: the lm_head's chunk rows (a sharded head: several chunks of a tiny vocabulary)."""
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # TRITON_INTERPRET as conftest set it (CPU only)
-    spec = {"cfg": cfg, "fault": fault, "cli": cli}
+    spec = {"cfg": cfg, "fault": fault, "cli": cli, "head_rows": head_rows}
     logs = Path(cfg["out_dir"] + ".logs")
     logs.mkdir(parents=True, exist_ok=True)
     fork = not torch.cuda.is_available()
@@ -242,24 +243,25 @@ def test_three_ranks_with_sharded_weights_equal_one_process(setup):
     gradients sum in gloo's order, not the reference's. The parameters' bound, steps x lr x 2^-14,
     is 4 orders below what a wrong seed, bucket or gathered weight moves one (about lr a step); a
     wrong gradient scale does not move them (AdamW with clipping is scale-invariant), so the grad
-    norms are compared too. Exact where the order cannot differ: the losses before any update
-    (step 1's, the held-out loss before training: the same bits in, summed on the host in the same
-    order); rel 1e-6 after one."""
+    norms are compared too. The lm_head sharded too (shard.ShardHead, in 3 chunks): the loss's
+    log-sum-exp runs chunk by chunk, another order than the whole head's fused kernel, so even the
+    losses before any update (step 1's, the held-out loss before training) agree to fp32 rounding
+    (rel 1e-6), as do those after one."""
     qwen2 = str(setup[0] / "qwen2")
     ref = _cfg(setup, "ref3", grad_accum=3, save_every=2, heldout_fraction=0.2, model=qwen2)
     T.train(T.TrainConfig(**ref))
     dp = _cfg(setup, "dp3", save_every=2, heldout_fraction=0.2, shard_weights=True, model=qwen2)
-    _ok(run_ranks(3, dp))
+    _ok(run_ranks(3, dp, head_rows=48))  # the lm_head in 3 chunks of 3 x 16 rows (shard.ShardHead)
     a, b = _state(ref["out_dir"]), _state(dp["out_dir"])
     torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=2 * 1e-1 * 2**-14)
     got, want = _records_of(dp["out_dir"], "train"), _records_of(ref["out_dir"], "train")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
-    assert got[0]["loss"] == want[0]["loss"] and got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
     got, want = _records_of(dp["out_dir"], "eval"), _records_of(ref["out_dir"], "eval")
     assert [(r["step"], r["targets"]) for r in got] == [(r["step"], r["targets"]) for r in want] == \
         [(0, want[0]["targets"]), (2, want[0]["targets"])] and want[0]["targets"] > 0
-    assert got[0]["loss"] == want[0]["loss"] and got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
 
 
 def test_a_killed_rank_stops_the_other(setup):
@@ -293,7 +295,7 @@ def test_oom_on_one_rank_stops_every_rank(setup):
     of the second pass) and all-reduces as its passes would have (offload.Gather.complete), so rank
     0 reaches the exchange; every rank names the OOM and keeps step 1."""
     dp = _cfg(setup, "oom", grad_accum=2, shard_weights=True, model=str(setup[0] / "model3"))
-    results = run_ranks(2, dp, fault={"kind": "oom", "rank": 1, "step": 2})
+    results = run_ranks(2, dp, fault={"kind": "oom", "rank": 1, "step": 2}, head_rows=32)  # the head's fills too
     assert [rc for rc, _, _ in results] == [2, 2], [e[-2000:] for _, _, e in results]
     msgs = [_error_line(err) for _, _, err in results]
     assert msgs[0] == msgs[1], msgs
@@ -460,6 +462,31 @@ def test_sharded_plan_counts_the_buffers_and_prices_the_gathers():
     slow = [gather_cost(cfg, keep, 8192, 2, DEFAULT_RATES._replace(link=r), 4) for r in (20e9, 5e9, 1e9)]
     assert g0 * 5 < slow[0] < slow[1] < slow[2]
     assert "sharded weights over 4 ranks" in format_plan(plan)
+
+
+def test_sharded_head_is_priced_over_the_link():
+    """The sharded lm_head (shard.ShardHead): its 2n - 2 fills are the N-1 parts of a chunk a rank
+    receives at rates.link, not the host link; hidden under the head's GEMMs at NVLink rates, they
+    show at a slow link; the printed plan says the head is sharded, not on the host."""
+    from lean.models.config import config_from_hf
+    from lean.models.presets import PRESETS
+    from lean.runtime.head_host import chunk_rows
+    from lean.runtime.plan import DEFAULT_RATES, KEEP, head_host_cost, make_plan
+    from lean.runtime.planner import format_plan
+
+    cfg = config_from_hf(PRESETS["qwen3-8b"])
+    V, C, N = cfg.vocab, cfg.hidden, 8192
+    Vc = chunk_rows(V, C, 2)
+    n = -(-V // Vc)
+    gemm = 2 * N * V * C / DEFAULT_RATES.flops
+    assert head_host_cost(cfg, N, 2, DEFAULT_RATES, 4) == pytest.approx(gemm, rel=1e-12)  # hidden
+    slow = DEFAULT_RATES._replace(link=5e9, h2d=1e15)
+    fills = (2 * n - 2) * Vc * C * 2 * 3 / 4 / 5e9
+    assert head_host_cost(cfg, N, 2, slow, 4) == pytest.approx(gemm + fills - 3 * gemm, rel=1e-12)
+    assert head_host_cost(cfg, N, 2, slow, 1) == pytest.approx(gemm, rel=1e-12)  # one process: the host link
+    plan = make_plan(cfg, N, (KEEP,) * cfg.n_layers, lora_rank=16, world=4, head_host=True, embed_host=True)
+    text = format_plan(plan)
+    assert "lm_head: sharded over the 4 ranks" in text and "lm_head: pinned host memory" not in text, text
 
 
 def test_gather_rotates_two_buffers_and_keeps_the_bits(setup):

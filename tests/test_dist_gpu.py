@@ -50,7 +50,8 @@ def test_two_gpus_equal_one_gpu_bf16(setup):
 def test_graph_with_the_allreduce_inside(setup):
     """lean-train's captured step on 2 GPUs (grad_accum 1, dropout 0): the capture succeeds (no
     fallback line) and lands where the eager data-parallel run does, by the rule; sharded weights
-    inside the graph give the unsharded graph's bits."""
+    inside the graph (the layers' gathers and the sharded lm_head's) land there by the rule too
+    (the sharded head's loss adds its chunks in another order than the whole head's kernel)."""
     kw = dict(RUN, dtype="bfloat16", dropout=0.0)
     eager = _cfg(setup, "g-eager", graph=False, **kw)
     _ok(run_ranks(2, eager))
@@ -61,7 +62,7 @@ def test_graph_with_the_allreduce_inside(setup):
     res_sh = _ok_quiet(run_ranks(2, sharded))
     a, b = _state(eager["out_dir"])["params"], _state(graphed["out_dir"])["params"]
     assert _l2(b, a) <= 2 * _l2(a, ref32) + 1e-6
-    assert torch.equal(_state(sharded["out_dir"])["params"], b)
+    assert _l2(_state(sharded["out_dir"])["params"], b) <= 2 * _l2(a, ref32) + 1e-6
     assert res["step"] == res_sh["step"] == 3
 
 
@@ -73,8 +74,10 @@ def _ok_quiet(results):
 
 
 def test_sharded_weights_save_memory_and_keep_the_bits(tmp_path):
-    """8 layers of hidden 256 over 2 GPUs: the same parameters as unsharded, bit for bit, and a
-    peak lower by the layers' other half less the two rotating full layers (within 10%)."""
+    """8 layers of hidden 256 over 2 GPUs: the same parameters as unsharded by the rule (against the
+    sharded run's fp32 twin: the sharded lm_head's loss adds in another order), and a peak lower by
+    the layers' other half less the two rotating full layers (within 10%; the tables' share of the
+    saving is a few KiB at this vocabulary)."""
     config = tiny_config("llama", torch.float32)
     config.update(dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=2))
@@ -88,20 +91,16 @@ def test_sharded_weights_save_memory_and_keep_the_bits(tmp_path):
     here = (tmp_path, 5)  # _cfg's (root, seed)
     whole = _cfg(here, "whole", dtype="bfloat16", graph=False, **RUN)
     part = _cfg(here, "part", dtype="bfloat16", graph=False, shard_weights=True, **RUN)
+    part32 = _cfg(here, "part32", dtype="float32", graph=False, shard_weights=True, **RUN)
     r_whole, r_part = _ok(run_ranks(2, whole)), _ok(run_ranks(2, part))
-    assert torch.equal(_state(whole["out_dir"])["params"], _state(part["out_dir"])["params"])
+    _ok(run_ranks(2, part32))
+    a, b, ref32 = (_state(c["out_dir"])["params"] for c in (whole, part, part32))
+    err, bound = _l2(b, a), 2 * _l2(b, ref32) + 1e-6
+    print(f"sharded vs whole (2 GPUs): relative L2 {err:.3e} (bound {bound:.3e})")
+    assert err <= bound
     layer = sum(p.numel() for n, p in build_hf("llama", 3, config=config).named_parameters() if ".layers.0." in n) * 2
     saved = 8 * layer / 2 - 2 * layer
     print(f"peaks: whole {r_whole['peak_bytes'] / 2**20:.1f} MiB, sharded {r_part['peak_bytes'] / 2**20:.1f} MiB; "
           f"predicted saving {saved / 2**20:.1f} MiB")
     assert abs((r_whole["peak_bytes"] - r_part["peak_bytes"]) - saved) <= 0.1 * saved
     assert Path(part["out_dir"], "adapter", "adapter_model.safetensors").is_file()
-    # --tables-on-host beside it: the loss streams the lm_head's chunks (another summation order than
-    # the fused kernel's), so by the rule against the fp32 twin of the sharded run, not bit for bit
-    host = _cfg(here, "host", dtype="bfloat16", graph=False, shard_weights=True, tables_on_host=True, **RUN)
-    part32 = _cfg(here, "part32", dtype="float32", graph=False, shard_weights=True, **RUN)
-    _ok(run_ranks(2, host)), _ok(run_ranks(2, part32))
-    a, b, ref32 = (_state(c["out_dir"])["params"] for c in (part, host, part32))
-    err, bound = _l2(b, a), 2 * _l2(a, ref32) + 1e-6
-    print(f"tables on the host vs on the GPU (sharded, 2 GPUs): relative L2 {err:.3e} (bound {bound:.3e})")
-    assert err <= bound

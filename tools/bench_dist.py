@@ -16,12 +16,11 @@ one process each, measured in this run); the N-GPU rows run here as one process 
   lean+graph xN    (--graph, after the eager row) the step with its all-reduce captured in one
                    StepGraph (the row says if the capture fell back to eager)
   lean xN sharded  (--shard-weights) the same with every layer's frozen weights sharded over the
-                   ranks and all-gathered one layer ahead (lean.runtime.shard); goal: >= 0.85 of the
-                   unsharded row's tokens/s, and a per-GPU peak under a quarter of the weights plus
-                   the one-layer working set on 4 GPUs (the row prints both numbers)
-  ... sharded+host the same with the embedding and lm_head in pinned host memory too (lean-train
-                   --tables-on-host: the loss streams the lm_head in chunks), so that a GPU holds
-                   only its share of the layers
+                   ranks and all-gathered one layer ahead, the lm_head sharded and all-gathered
+                   chunk by chunk in the loss, the embedding table in pinned host memory
+                   (lean.runtime.shard); goal: >= 0.85 of the unsharded row's tokens/s, and a
+                   per-GPU peak under a quarter of the weights plus the one-layer working set on 4
+                   GPUs (the row prints both numbers)
   HF+PEFT xN       `accelerate launch --multi_gpu` (torch DDP under accelerate), the peer's usual
                    multi-GPU path; skipped with a note when accelerate is not installed
   Unsloth xN       (--peers with unsloth) Unsloth's documented multi-GPU mode: its model on each
@@ -81,9 +80,6 @@ def lean_rank(args):
                                           args.smoke)  # the same seed on every rank: the same weights
     if args.shard:
         model = shard_model(model, d, d.device)
-    if args.tables_host:
-        from lean.runtime.head_host import tables_to_host
-        tables_to_host(model)
     cuda = d.device.startswith("cuda")
     _say(d, t0, "model built" + " and sharded" * args.shard)
     total = bench_step.SMOKE_TOKENS if args.smoke else bench_step.TOKENS
@@ -132,9 +128,13 @@ def lean_rank(args):
     t, peak = stats.tolist()  # sync: the row's numbers
     if d.main:
         weights = sum(x.numel() * x.element_size() for layer in model.layers for x in (layer.buf, layer.qbuf))
+        tables = list({id(x): x for x in (model.embed, model.lm_head) if x.device.type != "cpu"}.values())
+        shard = getattr(model.cache.get("head"), "shard", None)  # the sharded lm_head's part (shard.ShardHead)
+        tables = sum(x.numel() * x.element_size() for x in tables + ([shard] if shard is not None else []))
         row = dict(framework="lean", nproc=d.world, model=args.model, layout=args.layout, sharded=args.shard,
-                   tables_host=args.tables_host, graph=graph is not None, ms=t * 1e3, tokens_per_s=d.world * total / t, peak_gib=peak / 2**30,
-                   layer_gib_per_rank=weights / 2**30, loss=loss, note="; ".join(note))
+                   graph=graph is not None, ms=t * 1e3, tokens_per_s=d.world * total / t, peak_gib=peak / 2**30,
+                   layer_gib_per_rank=weights / 2**30, tables_gib_per_rank=tables / 2**30, loss=loss,
+                   note="; ".join(note))
         print("ROW " + json.dumps(row), flush=True)
     d.close()
     _say(d, t0, "process group closed")
@@ -239,11 +239,10 @@ def _one_gpu(framework, model, layout, steps, smoke, graph, timeout):
                  tokens_per_s=r["tokens"] / (r["ms"] / 1e3) if "ms" in r else None) for r, name in named]
 
 
-def _named(row, sharded=False, host=False):
-    """A lean N-GPU row named as its one-GPU counterpart (lean, lean+graph), plus " sharded" (and
-    "+host": the tables in host memory too)."""
+def _named(row, sharded=False):
+    """A lean N-GPU row named as its one-GPU counterpart (lean, lean+graph), plus " sharded"."""
     name = "lean+graph" if row.get("graph") else "lean"
-    return dict(row, framework=name + " sharded" * sharded + "+host" * host)
+    return dict(row, framework=name + " sharded" * sharded)
 
 
 def nproc_rows(model, layout, nprocs, steps, graph, shard, peers, smoke, timeout):
@@ -258,11 +257,9 @@ def nproc_rows(model, layout, nprocs, steps, graph, shard, peers, smoke, timeout
         for g in [False] + [True] * graph:  # eager first: its row stands should the captured one fail
             rows.append(_named(dict(_launch(torchrun + ["--graph"] * g, timeout, env), nproc=n, model=model,
                                     layout=layout, graph=g)))
-        if shard:  # the layers sharded; then the embedding and lm_head also off the GPU (--tables-on-host)
-            for host in (False, True):
-                rows.append(_named(dict(_launch(torchrun + ["--shard"] + ["--graph"] * graph + ["--tables-host"] * host,
-                                                timeout, env), nproc=n, model=model, layout=layout, graph=graph),
-                                   sharded=True, host=host))
+        if shard:
+            rows.append(_named(dict(_launch(torchrun + ["--shard"] + ["--graph"] * graph, timeout, env), nproc=n,
+                                    model=model, layout=layout, graph=graph), sharded=True))
     for peer in [p for p in ("hf", "unsloth") if p in peers and not smoke]:
         rows += _one_gpu(peer, model, layout, steps, smoke, False, timeout)
         missing = [m for m in ("accelerate", "peft" if peer == "hf" else "unsloth") if importlib.util.find_spec(m) is None]
@@ -293,7 +290,8 @@ def table(rows):
         note = r.get("note", "")
         ref = unsharded.get((plain, r["model"], r["layout"], r.get("nproc")))
         if " sharded" in r["framework"] and tps and ref:
-            note = (f"{tps / ref:.3f} of unsharded; layers {r.get('layer_gib_per_rank', 0):.2f} GiB a rank; "
+            note = (f"{tps / ref:.3f} of unsharded; layers {r.get('layer_gib_per_rank', 0):.2f} GiB, "
+                    f"tables {r.get('tables_gib_per_rank', 0):.2f} GiB a rank; "
                     f"{note}").rstrip("; ")
         shown = f"{tps:,.0f}" if tps else r.get("status", "")
         out.append(f"{r['model']:14} {r['layout']:7} {r['framework']:24} {r['nproc']:>4} {shown:>10} {eff:>10} "
@@ -327,7 +325,6 @@ def _child():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--graph", action="store_true")
     p.add_argument("--shard", action="store_true")
-    p.add_argument("--tables-host", action="store_true")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     (lean_rank if args.role == "lean-rank" else hf_rank)(args)

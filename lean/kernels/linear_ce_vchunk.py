@@ -191,7 +191,8 @@ def linear_ce_vchunks(loss, dh, h, src, targets, *, grad_scale=1.0, ignore_index
         grad_scale = torch.empty(1, dtype=torch.float32, device=dev).fill_(float(grad_scale))
     block_v, warps = _launch_config()
     n = src.n
-    passes = list(range(n)) + (list(reversed(range(n))) if dh is not None and N else [])
+    back = dh is not None and (N or getattr(src, "collective", False))  # a collective source (ShardHead: every
+    passes = list(range(n)) + (list(reversed(range(n))) if back else [])  # rank gathers alike) goes back at N = 0
     src.begin(passes)
     m, s, xt, row_loss = (torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))  # (N,) each
     scratch = torch.empty((N, src.chunk_v), dtype=h.dtype, device=dev)  # (N, Vc): logits, then gradients
@@ -213,7 +214,7 @@ def linear_ce_vchunks(loss, dh, h, src, targets, *, grad_scale=1.0, ignore_index
                 _linear_ce_sum_kernel[(1,)](loss, row_loss, targets, N, ignore_index, BLOCK=_SUM_BLOCK, num_warps=4)
                 if dh is not None:
                     acc = dh if dh.dtype == torch.float32 else torch.empty((N, C), dtype=torch.float32, device=dev)
-        else:  # pass 2, chunks last to first
+        elif N:  # pass 2, chunks last to first
             _ce_grad_chunk_kernel[(N,)](logits, m, s, targets, v1 - v0, v0, logits.stride(0), grad_scale,
                                         ignore_index, BLOCK_V=min(block_v, triton.next_power_of_2(v1 - v0)),
                                         num_warps=warps)

@@ -72,12 +72,16 @@ def fetch_plan(order, slots=2):
 class HostHead:
     """linear_ce_vchunk's chunk source for an lm_head w (V, C) in (pinned) host memory."""
 
-    def __init__(self, w, device, chunk_v=None):
+    collective = False  # its fills are the same on every rank whatever the rank's tokens (ShardHead)
+
+    def __init__(self, w, device, chunk_v=None, multiple=1):
         self.w = w  # (V, C) host
         self.V, self.C = w.shape
         self.dtype, self.device = w.dtype, torch.device(device)
         self.chunk_v = min(chunk_v or chunk_rows(self.V, self.C, w.element_size()), self.V)
+        self.chunk_v = -(-self.chunk_v // multiple) * multiple  # ShardHead: a chunk splits evenly over the ranks
         self.n = triton.cdiv(self.V, self.chunk_v)
+        self.fills = 0  # chunk fills issued since the step began (ShardHead: collectives, see offload.Gather)
         self.buf = [torch.empty(self.chunk_v, self.C, dtype=w.dtype, device=self.device) for _ in range(2)]  # 2 x (Vc, C)
         self.device = self.buf[0].device  # "cuda" -> "cuda:0": compared with h.device by the kernel
         self.on_gpu = self.device.type == "cuda"
@@ -106,16 +110,25 @@ class HostHead:
 
     def _copy(self, copies, wait=True):
         for j, c, b in copies:
-            v0, v1 = self.bounds(c)
-            dst = self.buf[b][: v1 - v0]
+            self.fills += 1
             if not self.on_gpu:
-                dst.copy_(self.w[v0:v1])
+                self._fill(c, b)
                 continue
             with torch.cuda.stream(self.stream):
                 if wait:
                     self.stream.wait_event(self.freed[b])
-                dst.copy_(self.w[v0:v1], non_blocking=True)
+                self._fill(c, b)
                 self.loaded[j].record()
+
+    def _fill(self, c, b):
+        """Chunk c into buffer b, on the current stream (the copy stream on a GPU)."""
+        v0, v1 = self.bounds(c)
+        self.buf[b][: v1 - v0].copy_(self.w[v0:v1], non_blocking=self.on_gpu)
+
+    def fills_per_call(self, backward):
+        """Fills one loss call issues (backward: with dh, the chunks there and back; else once over)."""
+        order = list(range(self.n)) + (list(reversed(range(self.n))) if backward else [])
+        return len(fetch_plan(order)[1])
 
     def get(self, c):
         k = self.pos
@@ -156,8 +169,9 @@ def head_to_host(model, chunk_v=None):
 def tables_to_host(model, chunk_v=None):
     """--tables-on-host: the embedding table and the lm_head (one table when tied) to pinned host
     memory for good, whatever the plan: the embedding gather reads the batch's rows over PCIe and the
-    loss streams the lm_head's chunks (HostHead). Beside --shard-weights this leaves a GPU only its
-    1/N of the layers plus the gathers' working set (Qwen3-8B: 2.32 GiB fewer a GPU). Returns the GPU
+    loss streams the lm_head's chunks (HostHead): Qwen3-8B, 2.32 GiB fewer on the GPU. A sharded
+    model (--shard-weights) has its tables off the GPU already (shard.shard_model: the lm_head's
+    chunks are gathered from the GPUs, not streamed from the host): nothing moves. Returns the GPU
     bytes freed (0 on a CPU device: nothing moves)."""
     from ..models.weights import embed_to_host
 

@@ -195,21 +195,42 @@ class Gather:
 
     def begin_step(self):
         self.calls = 0
+        head = self._head()
+        if head is not None:
+            head.fills = 0
+
+    def _head(self):
+        """The sharded lm_head (shard.ShardHead) whose fills are collectives of this step too, or None."""
+        head = self.model.cache.get("head")
+        return head if getattr(head, "collective", False) else None
 
     def complete(self, passes, reducer=None, backward=True):
         """After an error on this rank mid-step: the rest of the step's collectives, issued as its
         passes would have issued them (every pass's gathers in order; in the last pass's backward,
         the reducer's buckets after their layers), so that no other rank waits in a collective.
         passes: the step's micro-batches (forward and backward each) or forward-only passes."""
+        head = self._head()
+        fills = head.fills_per_call(backward) if head is not None else 0  # the loss's, between the passes' halves
         seq = []
         for p in range(passes):
-            seq += [(li, li + 1, False) for li in range(self.L)]
+            seq += [(li, li + 1, False) for li in range(self.L)] + [None] * fills
             if backward:
                 seq += [(li, li - 1, reducer is not None and p == passes - 1) for li in reversed(range(self.L))]
-        done = self.calls
-        if done and seq[done - 1][2]:  # the layer whose backward raised may have launched its bucket or not
-            reducer.layer_done(seq[done - 1][0])
-        for li, ahead, tell in seq[done:]:
+        layers = [x for x in seq if x is not None]
+        done, done_fills = self.calls, head.fills if head is not None else 0
+        if done and layers[done - 1][2]:  # the layer whose backward raised may have launched its bucket or not
+            reducer.layer_done(layers[done - 1][0])
+        for x in seq:  # the layers' gathers and the head's fills not issued yet, in the order of the passes
+            if x is None:
+                if done_fills:
+                    done_fills -= 1
+                else:
+                    head.fill_again()
+                continue
+            if done:
+                done -= 1
+                continue
+            li, ahead, tell = x
             self.weights(li, ahead)
             if tell:
                 reducer.layer_done(li)

@@ -401,15 +401,19 @@ def head_host_scratch(N, V, C, act_bytes):
     return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
 
 
-def head_host_cost(cfg, n_tokens, act_bytes, rates):
+def head_host_cost(cfg, n_tokens, act_bytes, rates, world=1):
     """Seconds the streamed head adds to a step: its 2n - 2 chunk copies over the link, less the three
-    lm_head GEMMs they hide under (two when the head is on the GPU: the third is added)."""
+    lm_head GEMMs they hide under (two when the head is on the GPU: the third is added). world > 1:
+    the head sharded over the ranks (shard.ShardHead), each fill the N-1 parts of a chunk a rank
+    receives in an all-gather, at rates.link."""
     from .head_host import chunk_rows
     V, C = cfg.vocab, cfg.hidden
     Vc = chunk_rows(V, C, act_bytes)
     n = -(-V // Vc)
     gemm = 2 * n_tokens * V * C / rates.flops
-    return gemm + max(0.0, (2 * n - 2) * Vc * C * act_bytes / rates.h2d - 3 * gemm)
+    moved = (2 * n - 2) * Vc * C * act_bytes
+    link = moved / rates.h2d if world <= 1 else moved * (world - 1) / world / rates.link
+    return gemm + max(0.0, link - 3 * gemm)
 
 
 def moe_step_bytes(cfg):
@@ -775,6 +779,6 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if embed_host:
         cost += embed_gather_cost(cfg, n_tokens, act_bytes, rates)
     if head_host:
-        cost += head_host_cost(cfg, n_tokens, act_bytes, rates)
+        cost += head_host_cost(cfg, n_tokens, act_bytes, rates, world)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
                 embed_host, bool(head_host), world)

@@ -86,7 +86,7 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
         buffers = head_host_bytes(cfg, act_bytes) if hh and not head_on_host else 0  # the head's chunks
         fixed = keep.memory.peak - keep.memory.activations - moved + buffers
         extra = embed_gather_cost(cfg, n_tokens, act_bytes, rates) if eh or (hh and cfg.tie_embeddings) else 0.0
-        extra += head_host_cost(cfg, n_tokens, act_bytes, rates) if hh else 0.0
+        extra += head_host_cost(cfg, n_tokens, act_bytes, rates, world) if hh else 0.0
         for modes in plans:
             host_bytes = sum(h[m] for h, m in zip(host, modes)) + moved
             if host_budget_bytes is not None and host_bytes > host_budget_bytes:
@@ -164,6 +164,9 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
         if t.data_ptr() not in seen and (t.device.type == model.device.type or staged and t is not model.norm):
             seen.add(t.data_ptr())
             weights += t.numel() * t.element_size()
+    shard = getattr(model.cache.get("head"), "shard", None)  # a sharded lm_head's part (shard.ShardHead)
+    if shard is not None:
+        weights += shard.numel() * shard.element_size()
     untied = model.embed is not model.lm_head
     table = model.embed.numel() * model.embed.element_size()
     head = model.lm_head.numel() * model.lm_head.element_size()
@@ -251,9 +254,13 @@ def format_plan(plan):
     if plan.head_host:
         from .head_host import chunk_rows
         head, Vc = cfg.vocab * cfg.hidden * plan.act_bytes, chunk_rows(cfg.vocab, cfg.hidden, plan.act_bytes)
-        out.append(f"lm_head: pinned host memory ({_gib(head)} off the GPU; the loss streams it through two "
-                   f"{Vc}-row chunk buffers, {(2 * -(-cfg.vocab // Vc) - 2) * Vc * cfg.hidden * plan.act_bytes / 2**30:.2f} "
-                   f"GiB over the link a step)")
+        moved = (2 * -(-cfg.vocab // Vc) - 2) * Vc * cfg.hidden * plan.act_bytes / 2**30
+        if plan.world > 1:  # shard.ShardHead
+            out.append(f"lm_head: sharded over the {plan.world} ranks ({_gib(head / plan.world)} here); the loss "
+                       f"all-gathers it into two {Vc}-row chunk buffers, {moved:.2f} GiB of chunks a step")
+        else:
+            out.append(f"lm_head: pinned host memory ({_gib(head)} off the GPU; the loss streams it through two "
+                       f"{Vc}-row chunk buffers, {moved:.2f} GiB over the link a step)")
     out.append(f"saved per kept layer {full}; kept on the GPU after the forward "
                f"{_gib(plan.kept_bytes)}; pinned host {_gib(plan.host_bytes)}")
     if plan.world > 1:

@@ -11,9 +11,13 @@ projections, MXFP4 experts; 0 for a bf16 model), S = ceil(P / N), Sq = ceil(Q / 
 What a rank holds after load_sharded (or shard_model on a loaded model):
     model.layers[li]   LayerShard: buf (S,) act and qbuf (Sq,) uint8, its part [r*S, (r+1)*S) of
                        the layer's buffers zero-padded to N*S (and N*Sq)
-    model.embed, model.lm_head, model.norm   whole, on the device (the loss reads the lm_head
-                       whole; an untied embedding may still go to pinned host memory under a
-                       --vram-budget plan)
+    model.embed        the whole table in pinned host memory (the gather reads the batch's rows;
+                       on a CPU device where it is), and model.lm_head too (the same one when tied):
+                       merge and export read them there
+    model.cache["head"] ShardHead: rank r's 1/N of every chunk of the lm_head's rows on the device,
+                       all-gathered a chunk at a time in the loss (one process: the tables whole on
+                       the device, no ShardHead)
+    model.norm         whole, on the device
     model.shard        Sharding(rank, world, dist): what the scheduler and the planner read
 The gathers run on the step's scheduler (offload.Gather, one per model on model.cache, which the
 offload scheduler and every pass over the model share): two rotating full-size layers per kind of
@@ -29,10 +33,10 @@ model in host memory at a time, N load times), on the CPU they load at once. NF4
 load (--load-in-4bit) runs device kernels and is refused here; a checkpoint already in
 bitsandbytes' 4-bit layout loads as stored.
 
-Equal to the unsharded run: the gathered buffers are the same bits, so the step is: bit for bit in
-one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
+Equal to the unsharded run: the gathered buffers are the same bits, so the layers are: bit for bit
+in one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
 and 3 CPU processes (gloo) equal one process to fp32 rounding (the ranks' gradients sum in another
-order). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (passed on 4 x H100, 2026-11-26).
+order, and the sharded head's loss adds its chunks in another order than the whole head's kernel). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (passed on 4 x H100, 2026-11-26).
 Caution: every pass over a sharded model is collective (each rank must run the same layers in the
 same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
 (one rank's generation) are off under --shard-weights.
@@ -42,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import TrainError
+from .head_host import HostHead
 
 
 class Sharding(NamedTuple):
@@ -74,19 +79,75 @@ def padded(n, world):
     return -(-n // world) * world
 
 
+class ShardHead(HostHead):
+    """The loss's lm_head chunks (head_host.py's HostHead protocol) all-gathered from the ranks' GPUs:
+    rank r holds rows [c*Vc + r*Vc/N, c*Vc + (r+1)*Vc/N) of every chunk c, shard (n, Vc/N, C) on its
+    device (rows past V zero), and a fill is one all_gather_into_tensor of chunk c's N parts into a
+    (Vc, C) buffer, on the copy stream, one visit ahead as HostHead's copies run. Vc: HostHead's rows
+    rounded up to a multiple of N. The whole table w stays where it was given (pinned host memory on
+    a GPU: the embedding's rows, merge and export read it there). Every rank fills the same chunks in
+    the same order (collective = True: linear_ce_vchunks goes back over the chunks at N = 0 too);
+    offload.Gather counts the fills with the layers' gathers, so that a rank whose pass raised issues
+    the rest of them (Gather.complete). The gathers run on the layers' process group (dist.gathers),
+    in the order every rank's passes issue them."""
+
+    collective = True
+
+    def __init__(self, w, dist, device, chunk_v=None):
+        super().__init__(w, device, chunk_v, multiple=dist.world)
+        self.dist = dist
+        part = self.chunk_v // dist.world
+        rows = torch.zeros(self.n * self.chunk_v, self.C, dtype=w.dtype)  # (n*Vc, C) host, padded
+        rows[: self.V].copy_(w)
+        mine = rows.view(self.n, dist.world, part, self.C)[:, dist.rank]  # (n, Vc/N, C)
+        self.shard = mine.contiguous().to(self.device)
+
+    def _fill(self, c, b):
+        import torch.distributed as torch_dist
+
+        with self.dist.collective("the lm_head's all-gather"):
+            work = torch_dist.all_gather_into_tensor(self.buf[b], self.shard[c], group=self.dist.gathers, async_op=True)
+            work.wait()  # a GPU: the copy stream waits for the all-gather's stream (no host sync)
+
+    def fill_again(self):
+        """One more fill as the step's sequence has it, its chunk unread (Gather.complete: after an error)."""
+        self.fills += 1
+        self._fill(0, 0)
+
+
 def shard_model(model, dist, device):
     """model (loaded whole, anywhere) with every layer replaced by this rank's LayerShard on device,
-    and its embedding, lm_head and norm moved there."""
+    the norm moved there, and with several ranks the tables off the device: the embedding (and a
+    tied lm_head) in pinned host memory (on a CPU where it is), the lm_head's chunks sharded over the
+    ranks' devices (ShardHead on model.cache["head"]; model.lm_head the whole table, on the host)."""
     rank, world = dist.rank, dist.world
     for li, layer in enumerate(model.layers):
         model.layers[li] = LayerShard(layer, li, rank, world, device)
     tied = model.embed is model.lm_head
-    model.embed = model.embed.to(device)
-    model.lm_head = model.embed if tied else model.lm_head.to(device)
     model.norm = model.norm.to(device)
     model.device = torch.device(device)
     model.shard = Sharding(rank, world, dist)
+    if world == 1:
+        model.embed = model.embed.to(device)
+        model.lm_head = model.embed if tied else model.lm_head.to(device)
+        return model
+    model.embed = _host(model.embed, model.device)
+    model.lm_head = model.embed if tied else _host(model.lm_head, model.device)
+    model.cache.pop("head", None)
+    model.cache["head"] = ShardHead(model.lm_head, dist, device)
     return model
+
+
+def _host(t, device):
+    """t in pinned host memory for a GPU device (the embedding gather reads its rows there); as it is
+    on a CPU device."""
+    if device.type != "cuda":
+        return t.to(device)
+    if t.device.type == "cpu" and t.is_pinned():
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)  # sync: set-up, once, before the first step
+    return host
 
 
 def load_sharded(model_dir, dtype, device, dist, quant=None):

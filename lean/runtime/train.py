@@ -289,6 +289,9 @@ def _train(cfg, out, dist) -> dict:
     sharded = gather_of(model) is not None
     if cfg.tables_on_host and model.device.type != "cuda":
         say("lean-train: --tables-on-host on the CPU: the tables are in host memory already")
+    elif cfg.tables_on_host and sharded:
+        say("lean-train: --tables-on-host under --shard-weights: the tables are off the GPU already (the "
+            "embedding in host memory, the lm_head sharded over the GPUs)")
     if cfg.shard_weights and not sharded:
         say("lean-train: --shard-weights with one process: the weights stay whole (start several with torchrun)")
     if sharded and cfg.sample_tokens:  # a sample is one rank's generation; every rank holds a part of the layers

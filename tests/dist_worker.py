@@ -112,7 +112,7 @@ def main(spec):
     rank = int(os.environ.get("RANK", "0"))
     if spec.get("head_rows"):  # the lm_head's chunks (head_host.chunk_rows): several of a tiny vocabulary
         import lean.runtime.head_host as H
-        H.chunk_rows = lambda V, C, elsize, rows=spec["head_rows"]: min(rows, V)
+        H.chunk_rows = lambda V, C, elsize, multiple=1, rows=spec["head_rows"]: -(-min(rows, V) // multiple) * multiple
     cfg = T.TrainConfig(**spec["cfg"])
     if rank != 0:
         _forbid_writes(T)

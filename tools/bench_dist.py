@@ -128,7 +128,7 @@ def lean_rank(args):
     t, peak = stats.tolist()  # sync: the row's numbers
     if d.main:
         weights = sum(x.numel() * x.element_size() for layer in model.layers for x in (layer.buf, layer.qbuf))
-        tables = list({id(x): x for x in (model.embed, model.lm_head) if x.device.type != "cpu"}.values())
+        tables = list({id(x): x for x in (model.embed, model.lm_head) if x.device.type == "cuda"}.values())
         shard = getattr(model.cache.get("head"), "shard", None)  # the sharded lm_head's part (shard.ShardHead)
         tables = sum(x.numel() * x.element_size() for x in tables + ([shard] if shard is not None else []))
         row = dict(framework="lean", nproc=d.world, model=args.model, layout=args.layout, sharded=args.shard,

@@ -37,12 +37,14 @@ import triton
 CHUNK_BYTES = 32 << 20  # one chunk buffer; the copies stay link-bound above a few MB (untuned)
 
 
-def chunk_rows(V, C, elsize):
-    """Rows of one chunk: as many as CHUNK_BYTES holds, a multiple of 128 when V allows, at most V."""
+def chunk_rows(V, C, elsize, multiple=1):
+    """Rows of one chunk: as many as CHUNK_BYTES holds, a multiple of 128 when V allows, at most V;
+    then rounded up to a multiple of `multiple` (a sharded head: the ranks' world size, every rank an
+    equal part of each chunk)."""
     rows = max(1, CHUNK_BYTES // (C * elsize))
     if rows >= 128:
         rows = rows // 128 * 128
-    return min(rows, V)
+    return -(-min(rows, V) // multiple) * multiple
 
 
 def fetch_plan(order, slots=2):
@@ -78,10 +80,10 @@ class HostHead:
         self.w = w  # (V, C) host
         self.V, self.C = w.shape
         self.dtype, self.device = w.dtype, torch.device(device)
-        self.chunk_v = min(chunk_v or chunk_rows(self.V, self.C, w.element_size()), self.V)
-        self.chunk_v = -(-self.chunk_v // multiple) * multiple  # ShardHead: a chunk splits evenly over the ranks
+        rows = min(chunk_v, self.V) if chunk_v else chunk_rows(self.V, self.C, w.element_size())
+        self.chunk_v = -(-rows // multiple) * multiple  # ShardHead: a chunk splits evenly over the ranks
         self.n = triton.cdiv(self.V, self.chunk_v)
-        self.fills = 0  # chunk fills issued since the step began (ShardHead: collectives, see offload.Gather)
+        self.fills = 0  # ShardHead: its collectives issued since the step began (offload.Gather counts them)
         self.buf = [torch.empty(self.chunk_v, self.C, dtype=w.dtype, device=self.device) for _ in range(2)]  # 2 x (Vc, C)
         self.device = self.buf[0].device  # "cuda" -> "cuda:0": compared with h.device by the kernel
         self.on_gpu = self.device.type == "cuda"
@@ -110,7 +112,6 @@ class HostHead:
 
     def _copy(self, copies, wait=True):
         for j, c, b in copies:
-            self.fills += 1
             if not self.on_gpu:
                 self._fill(c, b)
                 continue
@@ -126,7 +127,8 @@ class HostHead:
         self.buf[b][: v1 - v0].copy_(self.w[v0:v1], non_blocking=self.on_gpu)
 
     def fills_per_call(self, backward):
-        """Fills one loss call issues (backward: with dh, the chunks there and back; else once over)."""
+        """Fills one loss call issues (backward: with dh, the chunks there and back; else once over):
+        2n - 2 and n (n > 1), 1 and 1 (n = 1)."""
         order = list(range(self.n)) + (list(reversed(range(self.n))) if backward else [])
         return len(fetch_plan(order)[1])
 

@@ -333,7 +333,7 @@ def measure_rates(model, n_tokens, repeats=9, link=None):
     host = torch.empty(N, F, dtype=model.dtype, pin_memory=True)  # (N, F)
     w = rate_weight(model, [gather.weights(0)] if gather is not None else None)  # (F, C), or fewer rows
     out = dev[:, :w.shape[0]]  # (N, F), or fewer columns: the GEMM's output
-    x = model.lm_head[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the head may be on the host)
+    x = model.embed[:N].to(model.device)  # (N, C): real rows, no zeros (copied: the table may be on the host)
     nbytes = dev.numel() * dev.element_size()
     d2h = nbytes / _timed(lambda: host.copy_(dev, non_blocking=True), repeats)
     h2d = nbytes / _timed(lambda: dev.copy_(host, non_blocking=True), repeats)

@@ -385,18 +385,19 @@ def linear_ce_scratch(N, V, C, act_bytes):
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
-def head_host_bytes(cfg, act_bytes):
-    """The lm_head's two chunk buffers on the GPU when it lives on the host (head_host.HostHead)."""
+def head_host_bytes(cfg, act_bytes, world=1):
+    """The lm_head's two chunk buffers on the GPU when it lives on the host (head_host.HostHead) or
+    in the ranks' shards (world > 1: shard.ShardHead, its chunks a multiple of world rows)."""
     from .head_host import chunk_rows
-    return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes) * cfg.hidden * act_bytes
+    return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes, world) * cfg.hidden * act_bytes
 
 
-def head_host_scratch(N, V, C, act_bytes):
+def head_host_scratch(N, V, C, act_bytes, world=1):
     """linear_ce_vchunk's allocations with the head on the host: the (N, Vc) logits chunk, m, s, x_t
     and the row losses (N,) fp32, dh's fp32 accumulator (N, C) unless fp32, and the largest split-K
     workspace of its chunk GEMMs (logits (N, Vc) over C, dh (N, C) over Vc)."""
     from .head_host import chunk_rows
-    Vc = chunk_rows(V, C, act_bytes)
+    Vc = chunk_rows(V, C, act_bytes, world)
     ws = max(splitk_workspace_bytes(N, Vc, C, act_bytes), splitk_workspace_bytes(N, C, Vc, act_bytes))
     return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
 
@@ -408,10 +409,10 @@ def head_host_cost(cfg, n_tokens, act_bytes, rates, world=1):
     receives in an all-gather, at rates.link."""
     from .head_host import chunk_rows
     V, C = cfg.vocab, cfg.hidden
-    Vc = chunk_rows(V, C, act_bytes)
+    Vc = chunk_rows(V, C, act_bytes, world)
     n = -(-V // Vc)
     gemm = 2 * n_tokens * V * C / rates.flops
-    moved = (2 * n - 2) * Vc * C * act_bytes
+    moved = (2 * n - 2 if n > 1 else 1) * Vc * C * act_bytes
     link = moved / rates.h2d if world <= 1 else moved * (world - 1) / world / rates.link
     return gemm + max(0.0, link - 3 * gemm)
 
@@ -771,7 +772,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
     if head_host:
-        weights_bytes += head_host_bytes(cfg, act_bytes)
+        weights_bytes += head_host_bytes(cfg, act_bytes, world)
     mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
                  constant_bytes(cfg, n_tokens), reload, act, gather_buffer_bytes(cfg, act_bytes, world))
     cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather_cost(cfg, modes, n_tokens, act_bytes, rates, world)

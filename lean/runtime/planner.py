@@ -176,7 +176,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     head_movable = on_gpu and not head_moved and budget_bytes is not None
     r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
     host = model.cache.get("host", host_share())
-    on_host = (table if moved else 0) + (head if head_moved else 0)
+    on_host = (table if moved else 0) + (head if head_moved and model.lm_head.device.type == "cpu" else 0)
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
                      host_budget_bytes=host // 2 - on_host if host else None,
@@ -253,7 +253,8 @@ def format_plan(plan):
                    f"rows over the link, {N * cfg.hidden * plan.act_bytes / 2**20:.0f} MiB a step)")
     if plan.head_host:
         from .head_host import chunk_rows
-        head, Vc = cfg.vocab * cfg.hidden * plan.act_bytes, chunk_rows(cfg.vocab, cfg.hidden, plan.act_bytes)
+        head = cfg.vocab * cfg.hidden * plan.act_bytes
+        Vc = chunk_rows(cfg.vocab, cfg.hidden, plan.act_bytes, plan.world)
         moved = (2 * -(-cfg.vocab // Vc) - 2) * Vc * cfg.hidden * plan.act_bytes / 2**30
         if plan.world > 1:  # shard.ShardHead
             out.append(f"lm_head: sharded over the {plan.world} ranks ({_gib(head / plan.world)} here); the loss "

@@ -11,9 +11,9 @@ projections, MXFP4 experts; 0 for a bf16 model), S = ceil(P / N), Sq = ceil(Q / 
 What a rank holds after load_sharded (or shard_model on a loaded model):
     model.layers[li]   LayerShard: buf (S,) act and qbuf (Sq,) uint8, its part [r*S, (r+1)*S) of
                        the layer's buffers zero-padded to N*S (and N*Sq)
-    model.embed        the whole table in pinned host memory (the gather reads the batch's rows;
-                       on a CPU device where it is), and model.lm_head too (the same one when tied):
-                       merge and export read them there
+    model.embed        the whole table in pinned host memory on every rank (the gather reads the
+                       batch's rows; on a CPU device where it is); a tied lm_head is the same table
+    model.lm_head      untied: its shape only (a meta tensor): the table lives in the shards
     model.cache["head"] ShardHead: rank r's 1/N of every chunk of the lm_head's rows on the device,
                        all-gathered a chunk at a time in the loss (one process: the tables whole on
                        the device, no ShardHead)
@@ -36,7 +36,9 @@ bitsandbytes' 4-bit layout loads as stored.
 Equal to the unsharded run: the gathered buffers are the same bits, so the layers are: bit for bit
 in one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
 and 3 CPU processes (gloo) equal one process to fp32 rounding (the ranks' gradients sum in another
-order, and the sharded head's loss adds its chunks in another order than the whole head's kernel). tests/test_dist_gpu.py holds the same on 2 GPUs in bf16 (passed on 4 x H100, 2026-11-26).
+order, and the sharded head's loss adds its chunks in another order than the whole head's kernel).
+On GPUs (tests/test_dist_gpu.py) the sharded layers passed on 4 x H100 (2026-11-26) before the
+lm_head was sharded; the sharded head has not run on GPUs yet.
 Caution: every pass over a sharded model is collective (each rank must run the same layers in the
 same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
 (one rank's generation) are off under --shard-weights.
@@ -107,11 +109,11 @@ class ShardHead(HostHead):
 
         with self.dist.collective("the lm_head's all-gather"):
             work = torch_dist.all_gather_into_tensor(self.buf[b], self.shard[c], group=self.dist.gathers, async_op=True)
+            self.fills += 1  # issued: counted (an error before this point leaves it to Gather.complete)
             work.wait()  # a GPU: the copy stream waits for the all-gather's stream (no host sync)
 
     def fill_again(self):
         """One more fill as the step's sequence has it, its chunk unread (Gather.complete: after an error)."""
-        self.fills += 1
         self._fill(0, 0)
 
 
@@ -132,9 +134,12 @@ def shard_model(model, dist, device):
         model.lm_head = model.embed if tied else model.lm_head.to(device)
         return model
     model.embed = _host(model.embed, model.device)
-    model.lm_head = model.embed if tied else _host(model.lm_head, model.device)
+    head = model.embed if tied else model.lm_head
     model.cache.pop("head", None)
-    model.cache["head"] = ShardHead(model.lm_head, dist, device)
+    model.cache["head"] = ShardHead(head, dist, device)
+    # untied: the table lives in the ranks' shards alone; model.lm_head keeps its shape and dtype (meta),
+    # which the planner reads (merge and export load the checkpoint anew)
+    model.lm_head = model.embed if tied else torch.empty(head.shape, dtype=head.dtype, device="meta")
     return model
 
 

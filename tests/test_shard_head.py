@@ -36,6 +36,7 @@ def _rank(rank, world, port, V, C, chunk_v, errors):
         d = SimpleNamespace(rank=rank, world=world, gathers=None, collective=lambda what: contextlib.nullcontext())
         head = ShardHead(w, d, "cpu", chunk_v=chunk_v)
         assert head.chunk_v % world == 0 and head.shard.shape == (head.n, head.chunk_v // world, C)
+        assert head.w is None  # the whole table is not held by the head (on a GPU it would stay there)
         whole = DeviceChunks(w, head.chunk_v)
         gr = torch.Generator().manual_seed(100 + rank)  # this rank's own tokens; rank 1 has none
         N = 0 if rank == 1 else 37 + 5 * rank

@@ -86,8 +86,8 @@ class ShardHead(HostHead):
     rank r holds rows [c*Vc + r*Vc/N, c*Vc + (r+1)*Vc/N) of every chunk c, shard (n, Vc/N, C) on its
     device (rows past V zero), and a fill is one all_gather_into_tensor of chunk c's N parts into a
     (Vc, C) buffer, on the copy stream, one visit ahead as HostHead's copies run. Vc: HostHead's rows
-    rounded up to a multiple of N. The whole table w stays where it was given (pinned host memory on
-    a GPU: the embedding's rows, merge and export read it there). Every rank fills the same chunks in
+    rounded up to a multiple of N. The whole table w is not kept here (a tied one stays the
+    embedding's, in pinned host memory). Every rank fills the same chunks in
     the same order (collective = True: linear_ce_vchunks goes back over the chunks at N = 0 too);
     offload.Gather counts the fills with the layers' gathers, so that a rank whose pass raised issues
     the rest of them (Gather.complete). The gathers run on the layers' process group (dist.gathers),
@@ -103,6 +103,7 @@ class ShardHead(HostHead):
         rows[: self.V].copy_(w)
         mine = rows.view(self.n, dist.world, part, self.C)[:, dist.rank]  # (n, Vc/N, C)
         self.shard = mine.contiguous().to(self.device)
+        self.w = None  # the whole table: not held here (on a GPU it would stay on the GPU)
 
     def _fill(self, c, b):
         import torch.distributed as torch_dist

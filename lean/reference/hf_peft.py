@@ -28,35 +28,31 @@ def peft_wrap(hf_model, lora):
 def hf_loss_and_grads(pm, docs, device="cpu"):
     """Sum of token losses over documents run one at a time; grads of (sum / count) by PEFT key.
 
-    Each document's backward runs right after its forward (the grads of loss_i / count add up to
-    those of sum / count), under parametrize.cached(): PEFT's LoRA on expert tensors is a
-    parametrization, folded once per forward instead of at every read (HF's expert loop reads the
-    whole folded tensor once per expert hit, and each fold stays alive for the backward: at
-    gpt-oss-20b's shapes that outgrew an 80 GB card)."""
+    Under parametrize.cached(): PEFT's LoRA on expert tensors is a parametrization, folded once for
+    the whole call instead of at every read (HF's expert loop reads the whole folded tensor once per
+    expert hit, and each fold stayed alive for the backward: at gpt-oss-20b's shapes that outgrew an
+    80 GB card)."""
     import torch.nn.functional as F
     from torch.nn.utils import parametrize
 
     pm.zero_grad(set_to_none=True)
-    runs = []
-    for doc in docs:
-        ids, mask = (doc if isinstance(doc, tuple) else (doc, None))
-        tgt = torch.tensor(ids[1:], device=device, dtype=torch.long)
-        if mask is not None:
-            keep = torch.tensor(mask[1:], device=device, dtype=torch.bool)
-            tgt = torch.where(keep, tgt, torch.full_like(tgt, -100))
-        runs.append((ids, tgt))
-    count = sum(int((tgt != -100).sum()) for _, tgt in runs)
+    count = 0
     losses = []
-    for ids, tgt in runs:
-        with parametrize.cached():
-            logits = pm(input_ids=torch.tensor([ids], device=device)).logits[0].float()
-            loss = F.cross_entropy(logits[:-1], tgt, reduction="sum", ignore_index=-100)
-            (loss / count).backward()
-        losses.append(loss.detach())
-        del logits, loss
-    total = torch.stack(losses).sum()
+    with parametrize.cached():
+        for doc in docs:
+            ids, mask = (doc if isinstance(doc, tuple) else (doc, None))
+            ids_t = torch.tensor([ids], device=device)
+            logits = pm(input_ids=ids_t).logits[0].float()
+            tgt = torch.tensor(ids[1:], device=device, dtype=torch.long)
+            if mask is not None:
+                keep = torch.tensor(mask[1:], device=device, dtype=torch.bool)
+                tgt = torch.where(keep, tgt, torch.full_like(tgt, -100))
+            losses.append(F.cross_entropy(logits[:-1], tgt, reduction="sum", ignore_index=-100))
+            count += int((tgt != -100).sum())
+        total = torch.stack(losses).sum()
+        (total / count).backward()
     grads = {}
     for name, p in pm.named_parameters():
         if "lora_" in name:
             grads[name.replace(".default", "")] = p.grad.detach().clone()
-    return total, count, grads
+    return total.detach(), count, grads

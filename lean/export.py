@@ -21,6 +21,7 @@ on it; the errors: an unknown type before training, no adapter, a model that is 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -116,6 +117,7 @@ def main(argv=None) -> int:
     from .runtime.loader import ModelLoadError
 
     args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
     try:
         path = export_run(args.run_dir, args.gguf, args.out, model=args.model, adapter_only=args.adapter,
                           device=export_device(args.device), progress=not args.quiet,
@@ -126,8 +128,18 @@ def main(argv=None) -> int:
     except (ValueError, ModelLoadError, OSError, RuntimeError) as e:  # GGUFError, LoRAError, TrainError, ...
         print(f"lean-export: error: {e}", file=sys.stderr)
         return 2
+    from .runtime.gguf_write import LAST_WRITE
+
     size = path.stat().st_size
-    print(f"lean-export: wrote {path} ({size / 2**20:,.1f} MiB) and {path.with_suffix('.Modelfile').name}")
+    total = time.perf_counter() - t0
+    where = ""
+    if "done" in LAST_WRITE:  # the phases: reading the run and the tokenizer, the tensors, the closing fsync
+        setup = total - LAST_WRITE["done"]
+        where = (f": setup {setup:.1f} s, header {LAST_WRITE['header']:.1f} s, tensors "
+                 f"{LAST_WRITE['tensors'] - LAST_WRITE['header']:.1f} s, closing fsync "
+                 f"{LAST_WRITE['done'] - LAST_WRITE['tensors']:.1f} s")
+    print(f"lean-export: wrote {path} ({size / 2**20:,.1f} MiB) and {path.with_suffix('.Modelfile').name} "
+          f"in {total:.1f} s{where}")
     return 0
 
 

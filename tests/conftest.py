@@ -5,6 +5,7 @@ loads this file and before any test module imports lean.
 """
 import fcntl
 import os
+import signal
 
 # Several GPUs (LEAN_TEST_GPUS=2,3, tools/gpu_check.sh TEST_GPUS): each pytest-xdist worker takes
 # one of them, before torch first reads CUDA_VISIBLE_DEVICES, so the suite spreads over the cards
@@ -15,6 +16,12 @@ if _gpus and _worker.startswith("gw"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so
+# would every rank the tests spawn: the Ctrl-C tests (test_dist.py, test_train.py) need Python's own
+# handler, as a terminal or CI gives it
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

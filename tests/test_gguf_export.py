@@ -17,6 +17,7 @@ RMS weight error is d / sqrt(12) = max|x| / 440 per block against bf16's <= 2^-8
 |x| / 443, and a gaussian block of 32 has max|x| / rms|x| ~ 2.5 (the measured ratio is 3-5x).
 """
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -431,6 +432,31 @@ def test_export_streams_by_chunks(tmp_path, monkeypatch):
     assert len(reads) > 2 * len(whole)
     for name, (_, raw, _) in whole.items():
         assert np.array_equal(raw, chunked[name][1]), name
+
+
+def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatch):
+    """With the disk flushed in the background every FLUSH_BYTES, the file is the same bytes; a flush that
+    fails (ENOSPC from fdatasync) stops the export with the full-disk message and leaves nothing."""
+    import errno
+
+    import lean.runtime.gguf_write as X
+
+    model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", targets="q")
+    whole = (export_model(model_dir, tmp_path / "a.gguf", "Q8_0", adapter_dir, progress=False)).read_bytes()
+    calls, real = [], os.fdatasync
+    monkeypatch.setattr(X, "FLUSH_BYTES", 1024)
+    monkeypatch.setattr(X.os, "fdatasync", lambda fd: calls.append(fd) or real(fd))
+    assert export_model(model_dir, tmp_path / "b.gguf", "Q8_0", adapter_dir, progress=False).read_bytes() == whole
+    assert len(calls) >= 3
+    assert set(X.LAST_WRITE) == {"header", "tensors", "done"}
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(X.os, "fdatasync", full)
+    with pytest.raises(GGUFError, match="No space left on device.*free space or pass another --out; nothing was"):
+        export_model(model_dir, tmp_path / "c.gguf", "Q8_0", adapter_dir, progress=False)
+    _no_files(tmp_path, "c")
 
 
 def test_smollm2_vocab_comes_back(tmp_path):

@@ -45,17 +45,21 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
-def timed(cmd, cwd=None):
-    """(wall s, cpu s, peak RSS MiB) of the process cmd (its rusage from os.wait4); exits on failure."""
-    with tempfile.TemporaryFile() as err:
+def timed(cmd, cwd=None, said=None):
+    """(wall s, cpu s, peak RSS MiB) of the process cmd (its rusage from os.wait4); exits on failure.
+    said: a list that gets the process's last stdout line (lean-export's closing line: its phases)."""
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+        p = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=out, stderr=err)
         _, status, ru = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
         if p.returncode:
             err.seek(0)
             sys.exit(f"{' '.join(cmd)} failed:\n{err.read().decode(errors='replace')[-3000:]}")
+        if said is not None:
+            out.seek(0)
+            said.append((out.read().decode(errors="replace").strip().splitlines() or [""])[-1])
     return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
 
 
@@ -231,11 +235,14 @@ def main(argv=None):
     for t in a.types.split(","):
         out = work / f"lean-{t}.gguf"
         for i in range(a.repeat):
+            said = []
             wall, cpu, rss = timed([sys.executable, "-m", "lean.export", str(run), "--gguf", t, "--quiet", "--out",
-                                    str(out), "--device", a.device])
+                                    str(out), "--device", a.device], said=said)
             first = ", compiles" if i == 0 and a.device.startswith("cuda") else ""
             what = f"lean-export --device {a.device}" + (f" (run {i + 1}{first})" if a.repeat > 1 else "")
-            rows.append(dict(tool=what, type=t, wall_s=wall, cpu_s=cpu, peak_rss_mib=rss, bytes=out.stat().st_size))
+            phases = said[0].partition(" s: ")[2] if " s: " in said[0] else ""  # setup, header, tensors, fsync
+            rows.append(dict(tool=what, type=t, wall_s=wall, cpu_s=cpu, peak_rss_mib=rss, bytes=out.stat().st_size,
+                             phases=phases))
             print(json.dumps(rows[-1]), flush=True)
         size = out.stat().st_size
         out.unlink()

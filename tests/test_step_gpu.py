@@ -30,6 +30,14 @@ LLAMA_32_1B = dict(
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
 
+LLAMA_32_3B_2L = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=3072, intermediate_size=8192,
+    num_hidden_layers=2, num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+
 
 def _docs(rng, vocab, total, mean=256):
     docs, left = [], total
@@ -40,17 +48,39 @@ def _docs(rng, vocab, total, mean=256):
     return docs
 
 
+def _params_to(module, dtype):
+    """Cast a module's parameters only: Module.to(dtype) would also round its float buffers (RoPE's
+    inv_freq), and the bf16 reference would then carry a frequency error that grows with the position
+    into "torch's own bf16 error"."""
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+    return module
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [QWEN3_06B, LLAMA_32_1B], ids=["qwen3-0.6b", "llama-3.2-1b"])
 def test_step_bf16_real_configs(config):
     """lean bf16 vs HF+PEFT fp32 (the reference) and HF+PEFT bf16 (torch's own bf16 error):
     lean's relative error (L2) must be within 2x torch's bf16 error + 1e-3, for the loss and every
     LoRA gradient."""
+    seed = int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+    rng = np.random.default_rng(seed)
+    _bf16_step_within_the_rule(config, seed, lambda vocab: _docs(rng, vocab, 2048), 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_step_bf16_one_8192_token_document_llama_3b_shape():
+    """One document of 8192 tokens (positions up to 8191, where a bf16-rounded inv_freq would be far
+    off) on Llama-3.2-3B's shapes cut to 2 layers: the same rule, the reference's buffers in fp32."""
+    seed = int(torch.randint(0, 2**30, (1,), generator=fresh_generator("cpu")))
+    rng = np.random.default_rng(seed)
+    _bf16_step_within_the_rule(LLAMA_32_3B_2L, seed, lambda vocab: [rng.integers(0, vocab, 8192).tolist()], 8192)
+
+
+def _bf16_step_within_the_rule(config, seed, make_docs, max_tokens):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    gen = fresh_generator("cpu")
-    seed = int(torch.randint(0, 2**30, (1,), generator=gen))
-    rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
@@ -60,8 +90,8 @@ def test_step_bf16_real_configs(config):
     g = torch.Generator().manual_seed(seed)
     lora.params.copy_(lora.params + 0.02 * torch.randn(lora.params.shape, generator=g).to(lora.params.device))
     lora.sync_lowp()
-    docs = _docs(rng, model.config.vocab, 2048)
-    batch = lean.pack(docs, max_tokens=2048, device="cuda")
+    docs = make_docs(model.config.vocab)
+    batch = lean.pack(docs, max_tokens=max_tokens, device="cuda")
     lora.zero_grad()
     loss, n = lean.forward_backward(model, lora, batch)
     ours = {k: v.clone() for k, v in lora.grad_state_dict().items()}
@@ -70,7 +100,8 @@ def test_step_bf16_real_configs(config):
     ref_loss, ref_n, ref_grads = hf_loss_and_grads(pm, docs, device="cuda")
     hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     hf16.load_state_dict(sd)
-    pm16 = peft_wrap(hf16.to(torch.bfloat16).cuda().eval(), lora)  # PEFT keeps the adapters in fp32
+    pm16 = peft_wrap(_params_to(hf16, torch.bfloat16).cuda().eval(), lora)  # PEFT keeps the adapters in fp32
+    assert all(b.dtype == torch.float32 for b in pm16.buffers() if b.is_floating_point())
     lp_loss, _, lp_grads = hf_loss_and_grads(pm16, docs, device="cuda")
     assert n == ref_n
     v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name="loss")

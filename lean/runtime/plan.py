@@ -392,12 +392,12 @@ def head_host_bytes(cfg, act_bytes, world=1):
     return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes, world) * cfg.hidden * act_bytes
 
 
-def head_host_scratch(N, V, C, act_bytes, world=1):
+def head_host_scratch(N, V, C, act_bytes):
     """linear_ce_vchunk's allocations with the head on the host: the (N, Vc) logits chunk, m, s, x_t
     and the row losses (N,) fp32, dh's fp32 accumulator (N, C) unless fp32, and the largest split-K
     workspace of its chunk GEMMs (logits (N, Vc) over C, dh (N, C) over Vc)."""
     from .head_host import chunk_rows
-    Vc = chunk_rows(V, C, act_bytes, world)
+    Vc = chunk_rows(V, C, act_bytes)
     ws = max(splitk_workspace_bytes(N, Vc, C, act_bytes), splitk_workspace_bytes(N, C, Vc, act_bytes))
     return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
 

@@ -20,6 +20,7 @@ on it; the errors: an unknown type before training, no adapter, a model that is 
 """
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -113,6 +114,19 @@ def export_device(device=None):
     return device
 
 
+def _since_process_start(t):
+    """Seconds from this process's start to perf_counter() time t (the interpreter and the imports before
+    main), from /proc; None where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22: since boot
+        with open("/proc/uptime") as f:
+            now = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, now - started - (time.perf_counter() - t))
+
+
 def main(argv=None) -> int:
     from .runtime.loader import ModelLoadError
 
@@ -135,7 +149,9 @@ def main(argv=None) -> int:
     where = ""
     if "done" in LAST_WRITE:  # the phases: reading the run and the tokenizer, the tensors, the closing fsync
         setup = total - LAST_WRITE["done"]
-        where = (f": setup {setup:.1f} s, header {LAST_WRITE['header']:.1f} s, tensors "
+        start = _since_process_start(t0)
+        where = (f": {'' if start is None else f'before main {start:.1f} s, '}"
+                 f"setup {setup:.1f} s, header {LAST_WRITE['header']:.1f} s, tensors "
                  f"{LAST_WRITE['tensors'] - LAST_WRITE['header']:.1f} s, closing fsync "
                  f"{LAST_WRITE['done'] - LAST_WRITE['tensors']:.1f} s")
     print(f"lean-export: wrote {path} ({size / 2**20:,.1f} MiB) and {path.with_suffix('.Modelfile').name} "

@@ -40,6 +40,15 @@ the softmax to the router logits, plus the load-balancing loss's gradient when t
 (ctx.moe.aux_grad). Without dw every layer below would get wrong gradients (tests/test_moe.py
 checks that dropping it fails).
 
+The GLU (SwiGLU, or GPT-OSS's clamped one on interleaved columns: kernels/moe_glu.py) is its own
+elementwise kernel on each side, not fused into the grouped GEMMs, because neither fusion pays here:
+  - backward: dh_s is needed whole by gate_up's LoRA weight gradients (dB_e, dA_e above) as well as
+    by dX_s, so it is written either way; a dX GEMM that made dh in its prologue would read G_s and
+    h_s (3F a row, not 2F) once per output-column tile (C / BLOCK_N times) and still write dh_s.
+  - forward: h_s is saved for the backward, so an epilogue that wrote act_s as well would save only
+    the GLU kernel's read of h_s: the GLU forward is 1.3% of gpt-oss-20b's 24-layer step (its
+    backward 6.3%, a bandwidth problem of that kernel, 37% of the copy rate: BENCHMARKS.md, GPT-OSS).
+
 Saved (MoeSaved): logits, w, e, order, slot_pos, offsets, h_s and the expert LoRA rows xa_s and
 xad_s. act_s and y_s are not: act_s is written again by the backward's fused kernel, y_s is not
 needed (dw comes from G_s and act_s). n2 is not saved either (dense.py writes it again over dn2,

@@ -248,7 +248,7 @@ def test_lean_train_load_in_4bit_and_merge(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["--model", str(tmp_path / "model"), "--data", str(data), "--out", str(out), "--steps", "2",
                "--max-tokens", "64", "--r", "2", "--save-every", "1", "--quiet", "--device", "cpu",
-               "--load-in-4bit", "--merge"])
+               "--load-in-4bit", "--merge", "--sample-tokens", "0", "--heldout", "0"])
     text = capsys.readouterr()
     assert rc == 0, text.err
     assert "NF4 projections were dequantised" in text.out

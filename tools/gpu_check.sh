@@ -13,6 +13,8 @@
 #                                   # Two parts, two device calls: each cap fits one call's 600 s. NVLink
 #                                   # multicast stays off in both (NCCL_NVLS_ENABLE=0 ...)
 #   TEST_GPUS=2,3 TEST_WORKERS=10 tools/gpu_check.sh tests   # the tests' workers spread over cards 2, 3
+#   TEST_PART=1/2 tools/gpu_check.sh tests   # half of the GPU test files (then 2/2): one H100 no longer
+#                                   # runs the whole suite inside one call's 560 s
 #   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
 #                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
 #                                   # logs get a -portable suffix (tests-portable.log, ...)
@@ -130,6 +132,22 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # dist-tests on cards 0,1 of an x4 machine
     [ -n "${TEST_GPUS:-}" ] && export LEAN_TEST_GPUS=$TEST_GPUS
     args=("$@")
+    if [ ${#args[@]} -eq 0 ] && [ -n "${TEST_PART:-}" ]; then
+        # TEST_PART=k/n: the k-th of n shares of the GPU test files (whole-model files dealt round-robin,
+        # then the kernel files): the whole suite outgrew one 600 s call on one H100
+        mapfile -t files < <(python3 -c '
+import pathlib, sys
+sys.path.insert(0, "tests")
+from conftest import BIG_GPU_FILES
+k, n = map(int, sys.argv[1].split("/"))
+gpu = sorted(p.name for p in pathlib.Path("tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+dealt = [f for f in gpu if f in BIG_GPU_FILES] + [f for f in gpu if f not in BIG_GPU_FILES]
+print("\n".join(f"tests/{f}" for f in dealt[k - 1::n]) if 1 <= k <= n else "")
+' "$TEST_PART")
+        [ -n "${files[0]:-}" ] || { echo "gpu_check.sh: TEST_PART=$TEST_PART selects no test file (k/n, 1 <= k <= n)"; exit 2; }
+        args=(-m gpu "${files[@]}")
+        echo "TEST_PART $TEST_PART: ${files[*]}"
+    fi
     [ ${#args[@]} -eq 0 ] && args=(-m gpu tests)  # the CPU tests run in CI; here the gpu-marked ones
     quiet=(-q)
     [[ " ${per_test[*]} " == *" -v "* ]] && quiet=()  # -q and -v cancel: the worker lines need -v alone

@@ -18,6 +18,10 @@ Backward (moe_glu_bwd, over sorted rows):
     dup   = round(dact * glu)                                          where -limit <= up <= limit, else 0
   written to dh (which may be h itself); act (P, F), optional: the forward's bits again.
 Nothing is saved by these kernels; the caller keeps h (or recomputes it), order and the weights.
+Memory access: h's gate / up pairs are read as one contiguous (BLOCK_R, 2 BLOCK_F) tile and split in
+registers, and dh is written as one (_load_pairs / _store_pairs): the stride-2 loads and stores they
+replace (one per half) do not vectorise, and the backward ran at 37% of the H100's copy rate with them
+(BENCHMARKS.md, GPT-OSS). The same bits either way; the new loads are not yet timed on a GPU.
 
 Supported: any P, F >= 0; fp32 / fp16 / bf16; any row strides, unit column stride. Elementwise
 tiles and one (BLOCK_R,) reduction: 4,096 B of shared memory on sm_80/86/90/120 (triton.compile
@@ -54,6 +58,23 @@ def _glu(g, u, limit, alpha):
 
 
 @triton.jit
+def _load_pairs(row_ptrs, f0, F, rmask, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """(gate, up) fp32 (BLOCK_R, BLOCK_F) at pair columns f0.. of interleaved rows: one contiguous
+    (BLOCK_R, 2 BLOCK_F) load split in registers (two stride-2 loads would not vectorise)."""
+    c2 = 2 * f0 + tl.arange(0, 2 * BLOCK_F)
+    x = tl.load(row_ptrs + c2[None, :], mask=rmask[:, None] & (c2 < 2 * F)[None, :], other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (BLOCK_R, BLOCK_F, 2)))
+
+
+@triton.jit
+def _store_pairs(row_ptrs, a, b, f0, F, rmask, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Interleave a (even columns) and b (odd) into rows at pair columns f0..: one contiguous store."""
+    c2 = 2 * f0 + tl.arange(0, 2 * BLOCK_F)
+    x = tl.reshape(tl.join(a, b), (BLOCK_R, 2 * BLOCK_F)).to(row_ptrs.dtype.element_ty)
+    tl.store(row_ptrs + c2[None, :], x, mask=rmask[:, None] & (c2 < 2 * F)[None, :])
+
+
+@triton.jit
 def _moe_glu_fwd_kernel(
     act_ptr,                                      # output: (P, F)
     h_ptr,                                        # input: (P, 2F) interleaved gate / up
@@ -62,11 +83,12 @@ def _moe_glu_fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < P)[:, None] & (cols < F)[None, :]
+    f0 = tl.program_id(1) * BLOCK_F
+    cols = f0 + tl.arange(0, BLOCK_F)
+    rmask = rows < P
+    mask = rmask[:, None] & (cols < F)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    g = tl.load(h_ptr + r64 * stride_h + 2 * cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r64 * stride_h + 2 * cols[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    g, u = _load_pairs(h_ptr + r64 * stride_h, f0, F, rmask, BLOCK_R, BLOCK_F)
     _, _, _, _, a = _glu(g, u, limit, alpha)
     tl.store(act_ptr + r64 * stride_act + cols[None, :], a.to(act_ptr.dtype.element_ty), mask=mask)
 
@@ -91,16 +113,14 @@ def _moe_glu_bwd_kernel(
         mask = rmask[:, None] & (cols < F)[None, :]
         # All loads come before the stores: dh may be h.
         G = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(h_ptr + r64 * stride_h + 2 * cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + r64 * stride_h + 2 * cols[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        g, u = _load_pairs(h_ptr + r64 * stride_h, f0, F, rmask, BLOCK_R, BLOCK_F)
         gc, uc, s, glu, a = _glu(g, u, limit, alpha)
         a = a.to(h_ptr.dtype.element_ty)          # the forward's rounding
         dot += G * a.to(tl.float32)
         dact = w * G
         dg = tl.where(g <= limit, dact * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
         du = tl.where((u >= -limit) & (u <= limit), dact * glu, 0.0)
-        tl.store(dh_ptr + r64 * stride_dh + 2 * cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_ptr + r64 * stride_dh + 2 * cols[None, :] + 1, du.to(dh_ptr.dtype.element_ty), mask=mask)
+        _store_pairs(dh_ptr + r64 * stride_dh, dg, du, f0, F, rmask, BLOCK_R, BLOCK_F)
         if WRITE_ACT:
             tl.store(act_ptr + r64 * stride_act + cols[None, :], a.to(act_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + j, tl.sum(dot, axis=1), mask=rmask)

@@ -399,7 +399,7 @@ def test_cli_parses_and_runs(setup, capsys):
     out = root / "cli"
     rc = main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "2",
                "--max-tokens", "64", "--r", "2", "--targets", "q", "--save-every", "0", "--quiet",
-               "--device", "cpu", "--merge"])
+               "--device", "cpu", "--merge", "--sample-tokens", "0", "--heldout", "0"])
     assert rc == 0, capsys.readouterr().err
     assert "done: step 2" in capsys.readouterr().out
     assert sorted(_metrics(out, "train")) == [1, 2]

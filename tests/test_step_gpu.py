@@ -30,13 +30,7 @@ LLAMA_32_1B = dict(
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
 
-LLAMA_32_3B_2L = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=3072, intermediate_size=8192,
-    num_hidden_layers=2, num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-)
+LLAMA_32_3B_2L = dict(LLAMA_32_1B, hidden_size=3072, num_hidden_layers=2, num_attention_heads=24, head_dim=128)
 
 
 def _docs(rng, vocab, total, mean=256):

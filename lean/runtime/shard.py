@@ -37,8 +37,8 @@ Equal to the unsharded run: the gathered buffers are the same bits, so the layer
 in one process under a plan that offloads and recomputes (tests/test_dist.py, the gathers' rotation),
 and 3 CPU processes (gloo) equal one process to fp32 rounding (the ranks' gradients sum in another
 order, and the sharded head's loss adds its chunks in another order than the whole head's kernel).
-On GPUs (tests/test_dist_gpu.py) the sharded layers passed on 4 x H100 (2026-11-26) before the
-lm_head was sharded; the sharded head has not run on GPUs yet.
+On GPUs (tests/test_dist_gpu.py, bf16 by the project's rule) the sharded layers passed on 4 x H100
+(2026-11-26), and with the sharded lm_head (2026-11-27).
 Caution: every pass over a sharded model is collective (each rank must run the same layers in the
 same order): evaluation is spread over the ranks in equal rounds, and lean-train's greedy samples
 (one rank's generation) are off under --shard-weights.

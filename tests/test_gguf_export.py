@@ -434,26 +434,37 @@ def test_export_streams_by_chunks(tmp_path, monkeypatch):
         assert np.array_equal(raw, chunked[name][1]), name
 
 
-def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatch):
-    """With the disk flushed in the background every FLUSH_BYTES, the file is the same bytes; a flush that
-    fails (ENOSPC from fdatasync) stops the export with the full-disk message and leaves nothing."""
+@pytest.mark.parametrize("mode", ["range", "fdatasync"])
+def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatch, mode):
+    """With the written bytes sent on in the background every FLUSH_BYTES (sync_file_range's writeback of
+    each new range, or an fdatasync), the file is the same bytes; a flush that fails (ENOSPC) stops the
+    export with the full-disk message and leaves nothing."""
     import errno
 
     import lean.runtime.gguf_write as X
 
+    if mode == "range" and X._WRITEBACK is None:
+        pytest.skip("sync_file_range is Linux's (this platform takes the fdatasync mode)")
     model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", targets="q")
     whole = (export_model(model_dir, tmp_path / "a.gguf", "Q8_0", adapter_dir, progress=False)).read_bytes()
-    calls, real = [], os.fdatasync
+    calls = []
+    real = X._WRITEBACK if mode == "range" else os.fdatasync
+    target, name = (X, "_WRITEBACK") if mode == "range" else (X.os, "fdatasync")
+    monkeypatch.setattr(X, "FLUSH", mode)
     monkeypatch.setattr(X, "FLUSH_BYTES", 1024)
-    monkeypatch.setattr(X.os, "fdatasync", lambda fd: calls.append(fd) or real(fd))
+    monkeypatch.setattr(target, name, lambda fd, *span: calls.append(span) or real(fd, *span))
     assert export_model(model_dir, tmp_path / "b.gguf", "Q8_0", adapter_dir, progress=False).read_bytes() == whole
     assert len(calls) >= 3
+    if mode == "range":  # the ranges follow each other from the first tensor's bytes, inside the file
+        for (a, n), (b, _) in zip(calls, calls[1:]):
+            assert n >= 1024 and b == a + n
+        assert calls[-1][0] + calls[-1][1] <= len(whole)
     assert set(X.LAST_WRITE) == {"header", "tensors", "done"}
 
-    def full(fd):
+    def full(fd, *span):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(X.os, "fdatasync", full)
+    monkeypatch.setattr(target, name, full)
     with pytest.raises(GGUFError, match="No space left on device.*free space or pass another --out; nothing was"):
         export_model(model_dir, tmp_path / "c.gguf", "Q8_0", adapter_dir, progress=False)
     _no_files(tmp_path, "c")
@@ -591,6 +602,15 @@ def test_lean_train_export_gguf_then_lean_export(tmp_path, capsys):
     assert export_main([str(run), "--gguf", "F16", "--adapter", "--quiet"]) == 0
     assert f"wrote {run / 'run-lora-F16.gguf'}" in capsys.readouterr().out
     assert read_gguf(run / "run-lora-F16.gguf")[1]["general.type"] == "adapter"
+    # the command itself (cli: os._exit once the file is in place): its status and its flushed output
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "lean.export", str(run), "--gguf", "BF16", "--adapter", "--quiet", "--device", "cpu"]
+    done = subprocess.run(cmd + ["--out", str(tmp_path / "a.gguf")], capture_output=True, text=True)
+    assert done.returncode == 0 and f"wrote {tmp_path / 'a.gguf'}" in done.stdout, done.stderr
+    assert read_gguf(tmp_path / "a.gguf")[1]["general.type"] == "adapter"
+    done = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "is a folder: pass the path of the .gguf file" in done.stderr
     (tmp_path / "empty").mkdir()
     assert export_main([str(tmp_path / "empty"), "--gguf", "Q8_0"]) == 2
     assert "holds no adapter" in capsys.readouterr().err and not list((tmp_path / "empty").iterdir())

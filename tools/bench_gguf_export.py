@@ -13,8 +13,11 @@ smollm2: lean's HF folder of the default model (SmolLM2-135M-Instruct's GGUF fro
   BPE of 260 tokens (ids past the tokenizer's: [PAD]), and an r=16 adapter on all seven projections
   (random B). Making it is timed on its own (the setup row), flushed to disk (os.sync) and not counted.
 Each measurement is its own process, timed here: wall seconds, user + system CPU seconds and peak
-RSS (the child's ru_maxrss, from os.wait4). lean: `python -m lean.export RUN --gguf TYPE --quiet
---device D` (the adapter folded in; D cpu: numpy on the host, cuda: merged and quantised on the GPU).
+RSS (the child's ru_maxrss, from os.wait4). lean: lean-export's main (`RUN --gguf TYPE --quiet
+--device D`: the adapter folded in; D cpu: numpy on the host, cuda: merged and quantised on the GPU),
+with gguf_write.FLUSH set first to each --flush mode; each row keeps the phases of lean-export's
+closing line and the seconds after main returned (after_main_s: the process's exit). On a GPU, two
+rows first time the floor of any process on this stack: start, import lean.export, a CUDA context, exit.
 --repeat N runs each export N times: the first run on a GPU also compiles Triton's kernels into its
 cache (~/.triton/cache), the later ones find them there.
 write (--device cuda): the same number of bytes as the export's file written to the same folder in
@@ -61,6 +64,23 @@ def timed(cmd, cwd=None, said=None):
             out.seek(0)
             said.append((out.read().decode(errors="replace").strip().splitlines() or [""])[-1])
     return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
+
+
+EXPORT = [sys.executable, "-c", "import sys, lean.runtime.gguf_write as g; mode = sys.argv.pop(1); g.FLUSH = mode or "
+          "g.FLUSH; from lean.export import cli; cli()"]  # the lean-export command, FLUSH set (argv[1]) first
+FLOOR = "import lean.export, torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
+FLOOR_OS_EXIT = FLOOR + "; import os; os._exit(0)"  # the same without the interpreter's teardown (as cli)
+
+
+def after_main(line: str, wall: float):
+    """Seconds of a lean-export process after its main returned (the exit: freeing the CUDA context and
+    host memory), from its closing line ("... in T s: before main B s, ...") and the wall time."""
+    try:
+        total = float(line.split(" in ", 1)[1].split(" s", 1)[0])
+        before = float(line.split("before main ", 1)[1].split(" s", 1)[0])
+    except (IndexError, ValueError):
+        return None
+    return wall - total - before
 
 
 WRITE = """
@@ -198,15 +218,17 @@ print(out)
 
 def table(rows):
     """The rows as a fixed-width table."""
-    head = f"{'model':8} {'type':7} {'what':52} {'wall s':>8} {'CPU s':>8} {'RSS MiB':>8} {'GB':>6} {'GB/s':>6}"
+    head = f"{'model':8} {'type':7} {'what':52} {'wall s':>8} {'CPU s':>8} {'RSS MiB':>8} {'GB':>6} {'GB/s':>6} {'exit s':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         gb = r.get("bytes", 0) / 1e9
         rate = f"{gb / r['wall_s']:6.2f}" if gb else f"{'':6}"
         cpu = f"{r['cpu_s']:8.1f}" if r["cpu_s"] is not None else f"{'':8}"
         rss = f"{r['peak_rss_mib']:8.0f}" if r["peak_rss_mib"] is not None else f"{'':8}"
+        exit_s = f"{r['after_main_s']:.1f}" if r.get("after_main_s") is not None else ""
         lines.append(f"{r['model']:8} {r['type']:7} {r['tool'][:52]:52} {r['wall_s']:8.1f} {cpu} {rss} "
-                     f"{(f'{gb:6.2f}' if gb else ''):>6} {rate}")
+                     f"{(f'{gb:6.2f}' if gb else ''):>6} {rate} "
+                     f"{exit_s:>6}")
     return "\n".join(lines)
 
 
@@ -219,6 +241,8 @@ def main(argv=None):
                    "timed beside writing as many bytes)")
     p.add_argument("--repeat", type=int, default=1, help="lean-export runs per type (the first compiles on a GPU)")
     p.add_argument("--llama-cpp", help="llama.cpp's source folder (convert_hf_to_gguf.py, gguf-py, conversion/)")
+    p.add_argument("--flush", default="", help="comma-separated gguf_write.FLUSH modes to run the export with "
+                   "(range, fdatasync; default: the module's own)")
     p.add_argument("--json", help="append the rows to this file")
     a = p.parse_args(argv)
     work = Path(a.work)
@@ -232,18 +256,25 @@ def main(argv=None):
         out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name())"],
                              env=ENV, capture_output=True, text=True)
         print(f"GPU: {out.stdout.strip() or out.stderr[-500:]}", flush=True)
+        for code, what in [(FLOOR, "exit"), (FLOOR_OS_EXIT, "os._exit")] * 2:  # the floor of a process here
+            wall, cpu, rss = timed([sys.executable, "-c", code])
+            rows.append(dict(tool=f"a process: import lean.export, CUDA init, {what}", type="-", wall_s=wall,
+                             cpu_s=cpu, peak_rss_mib=rss))
+            print(json.dumps(rows[-1]), flush=True)
     for t in a.types.split(","):
         out = work / f"lean-{t}.gguf"
-        for i in range(a.repeat):
-            said = []
-            wall, cpu, rss = timed([sys.executable, "-m", "lean.export", str(run), "--gguf", t, "--quiet", "--out",
-                                    str(out), "--device", a.device], said=said)
-            first = ", compiles" if i == 0 and a.device.startswith("cuda") else ""
-            what = f"lean-export --device {a.device}" + (f" (run {i + 1}{first})" if a.repeat > 1 else "")
-            phases = said[0].partition(" s: ")[2] if " s: " in said[0] else ""  # setup, header, tensors, fsync
-            rows.append(dict(tool=what, type=t, wall_s=wall, cpu_s=cpu, peak_rss_mib=rss, bytes=out.stat().st_size,
-                             phases=phases))
-            print(json.dumps(rows[-1]), flush=True)
+        for mode in a.flush.split(",") if a.flush else [""]:
+            for i in range(a.repeat):
+                said = []
+                wall, cpu, rss = timed(EXPORT + [mode, str(run), "--gguf", t, "--quiet", "--out", str(out), "--device",
+                                                 a.device], said=said)
+                first = ", compiles" if i == 0 and a.device.startswith("cuda") else ""
+                what = (f"lean-export --device {a.device}" + (f" flush {mode}" if mode else "")
+                        + (f" (run {i + 1}{first})" if a.repeat > 1 else ""))
+                phases = said[0].partition(" s: ")[2] if " s: " in said[0] else ""  # before main, setup, ...
+                rows.append(dict(tool=what, type=t, wall_s=wall, cpu_s=cpu, peak_rss_mib=rss,
+                                 bytes=out.stat().st_size, phases=phases, after_main_s=after_main(said[0], wall)))
+                print(json.dumps(rows[-1]), flush=True)
         size = out.stat().st_size
         out.unlink()
         out.with_suffix(".Modelfile").unlink(missing_ok=True)

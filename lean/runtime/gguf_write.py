@@ -30,9 +30,10 @@ NaN or inf: numpy refuses them chunk by chunk; on the device each chunk's rows a
 reduction there whose flag comes back with its bytes (no extra sync). Either way the export stops
 with a GGUFError naming the tensor and its rows, and nothing is left under the final name.
 
-The disk: every FLUSH_BYTES written, an fdatasync in a thread of its own (_Flusher) sends the dirty
-pages on while the next chunks are made; without it a file under Linux's background-writeback threshold
-waits in the page cache for the closing fsync, and the disk idles until then. LAST_WRITE keeps the
+The disk: every FLUSH_BYTES written, a thread of its own (_Flusher) starts those bytes' writeback
+(sync_file_range on Linux, else an fdatasync) while the next chunks are made; without it a file under
+Linux's background-writeback threshold waits in the page cache for the closing fsync, and the disk
+idles until then. LAST_WRITE keeps the
 phases of the last write (lean-export's closing line prints them).
 Atomic: the file is <out>.tmp-<pid> until it is complete, flushed and fsynced; then os.replace
 puts it under the final name and the folder is fsynced. Any failure (an error, Ctrl-C, a full disk:
@@ -64,7 +65,7 @@ from .gguf_quants import quantize
 from .gguf_source import LAUNCH, fold_lora, merged_rows
 
 CHUNK_BYTES = 64 << 20  # fp32 rows per chunk: the streaming unit
-FLUSH_BYTES = 256 << 20  # written bytes between two background fdatasync calls (the disk works beside the chunks)
+FLUSH_BYTES = 64 << 20  # written bytes between two background flushes (_Flusher: the disk works beside the chunks)
 LAST_WRITE = {}          # the phases of the last write_gguf, in s from its start: header, tensors, done
 WORKERS = 4             # chunks in flight on a CUDA device (each a thread with its own stream)
 GPU_QTYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # kernels/gguf_quant.py's QTYPES (not imported: it imports triton)
@@ -270,24 +271,59 @@ def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, p
     return path
 
 
+def _sync_file_range():
+    """libc's sync_file_range(fd, offset, nbytes, flags) through ctypes (Linux), or None elsewhere."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def start_writeback(fd, offset, nbytes):
+        if fn(fd, offset, nbytes, 2) != 0:  # 2: SYNC_FILE_RANGE_WRITE, start the range's writeback, wait for none
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    return start_writeback
+
+
+_WRITEBACK = _sync_file_range()
+FLUSH = "range" if _WRITEBACK is not None else "fdatasync"  # how _Flusher sends the written bytes on
+
+
 class _Flusher:
-    """fdatasync in a thread of its own every FLUSH_BYTES written: the page cache's dirty pages go to the
-    disk while the next chunks are made, not all in the closing fsync (a 5 GB file fits under Linux's
-    background writeback threshold, so without it the disk idles until the end). One call in flight at
-    a time; its OSError (a full disk) comes back through wrote() or close()."""
+    """Sends the written bytes to the disk while the next chunks are made, not all in the closing fsync (a
+    5 GB file fits under Linux's background writeback threshold, so without it the disk idles until the
+    end). Every FLUSH_BYTES written, in a thread of its own, one call in flight at a time:
+      FLUSH "range" (Linux): sync_file_range(SYNC_FILE_RANGE_WRITE) on the bytes written since the last
+                 call: their writeback starts, nothing is waited for (the closing fsync waits once);
+      "fdatasync": the whole file's dirty pages written and waited for.
+    A failed call's OSError (a full disk) comes back through wrote() or close()."""
 
     def __init__(self):
-        self.pool, self.job, self.pending = None, None, 0
+        self.pool, self.job, self.pending, self.start = None, None, 0, None
 
     def wrote(self, f, nbytes):
+        if self.start is None:
+            self.start = f.tell() - nbytes
         self.pending += nbytes
         if self.pending < FLUSH_BYTES or (self.job is not None and not self.job.done()):
             return
         if self.job is not None:
             self.job.result()  # a flush that failed raises here
         f.flush()  # Python's buffer into the kernel's page cache, then the disk in the background
+        end = f.tell()
         self.pool = self.pool or ThreadPoolExecutor(1)
-        self.job, self.pending = self.pool.submit(os.fdatasync, f.fileno()), 0
+        if FLUSH == "range":
+            self.job = self.pool.submit(_WRITEBACK, f.fileno(), self.start, end - self.start)
+        else:
+            self.job = self.pool.submit(os.fdatasync, f.fileno())
+        self.pending, self.start = 0, end
 
     def close(self, raise_error=True):
         """Wait for the flush in flight (re-raising its error unless raise_error is False)."""

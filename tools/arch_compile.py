@@ -287,7 +287,9 @@ def _compile_job(job):
         k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         return k.metadata.shared, time.time() - t0, None
     except Exception as e:  # a compile error is a finding, reported with the launch
-        return None, time.time() - t0, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        lines = str(e).strip().splitlines() or [""]
+        said = [x for x in lines if "error" in x.lower() and "Repro command" not in x]  # ptxas's own words
+        return None, time.time() - t0, f"{type(e).__name__}: {' / '.join(said[:2] or lines[-1:])[:300]}"
 
 
 @dataclasses.dataclass

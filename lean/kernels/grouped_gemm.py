@@ -8,6 +8,7 @@ X rows of x (N tokens when gathered, else P), R LoRA rank, M and Kd the two dims
             (sorted, offsets[0] = 0, offsets[E] = P; an expert may own no row)
     gmm:       y[p] = x[r(p)] @ w[e(p)]^T  [+ scale * xa[p] @ b[e(p)]^T]  [+ bias[e(p)]]  [+ y[p]]
                r(p) = gather[p] // gather_div, else p; fp32 accumulation, one rounding to y's dtype
+               (the LoRA term first: its fp32 sum times scale, then the base products onto it)
       y  (P, O)      bf16 / fp16 / fp32, unit last-dim stride
       x  (X, Kd)     bf16 / fp16 / fp32, any strides
       w  (E, O, Kd)  x's dtype, a unit stride in one of its last two dims (w.transpose(1, 2) of an
@@ -51,10 +52,12 @@ every gather/scale combination of gmm_wgrad, bitwise repeatability. Its bf16 GPU
 sizes) has not run as a test yet; the same checks as a script did on an H100 (below). Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
 GPUTarget, as tools/arch_compile.py; at most 65,536 B on sm_86/120, 131,072 B on sm_90).
-Speed (H100, bf16, untuned; P 65536 = 8192 tokens x top-8, E 128 with skewed loads and one empty,
-C 2048, F 768, R 16; triton do_bench): gate/up with gather + LoRA 1.09 ms (379 TF/s), dX with the
-transposed Wgu + LoRA 1.02 ms (405 TF/s); gmm_wgrad dA (gathered n2, 268 MB read) 0.108 ms, dB
-(scaled) 0.140 ms. The sm86 tiles run on the H100 (LEAN_ARCH=8.6): 1.14 / 1.15 ms.
+Speed (H100, bf16, tools/gmm_tune.py: triton do_bench, L2 flushed; 8192 tokens, zipf routing; the
+tile TUNED["sm_90"], against torch._grouped_mm on pre-gathered rows, + a second grouped GEMM and an
+add for the LoRA): Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 768) gate/up + LoRA 0.918 ms (1.15x
+torch), down + LoRA 0.530 (1.63x), dX + LoRA 0.835 (1.45x); gpt-oss-20b (P 32,768, E 32, C = F =
+2880) 2.130 (1.04x), 1.111 (1.07x), 1.736 (1.19x). The tier's 128 x 128 tile: 1.092 / 0.667 / 1.014
+and 2.632 / 1.290 / 2.140 ms. gmm_wgrad dA (gathered n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms.
 gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the
 dtype, not a variant). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
 mode) because GPT-OSS's gate_up and down both need it and dX accumulation may meet it; a fifth
@@ -65,7 +68,9 @@ Caution:
     gathers (every r(p) < X): nothing on the device checks them.
   - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows.
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
-  - configs are untuned (sm90 / sm80 / sm86 tiers chosen to fit, not timed).
+  - gmm's tile on the H100 (TUNED["sm_90"]) is timed: tools/gmm_tune.py, 128 x 256 x 64, 8 warps, 4
+    stages won all eight cases of gpt-oss-20b and Qwen3-30B-A3B, 1.14-1.26x the tier's 128 x 128;
+    the tiers (sm90 on a B200, sm80, sm86) are chosen to fit, not timed.
 """
 import torch
 import triton
@@ -123,6 +128,21 @@ def _gmm_kernel(
     x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
     w_ptrs = w_ptr + e64 * stride_we + rk[:, None] * stride_wk + rn.to(tl.int64)[None, :] * stride_wo
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # LoRA first: scale * xa[p] b[e]^T, its own fp32 sum scaled in fp32, then the main loop accumulates
+    # onto it. One accumulator: a second one after the loop doubled the live registers and spilled at
+    # the 128 x 256 tile (tools/gmm_tune.py: +LoRA 0.73x of the 128 x 128 tile with it, on the H100).
+    if LORA:
+        rr = tl.arange(0, BLOCK_R)
+        a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
+        b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
+        for r0 in range(0, R, BLOCK_R):
+            r_ok = rr < R - r0
+            at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(at, bt, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_R * stride_ar
+            b_ptrs += BLOCK_R * stride_br
+        acc = acc * scale
     for k0 in range(0, Kd, BLOCK_K):
         k_ok = rk < Kd - k0
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -130,19 +150,6 @@ def _gmm_kernel(
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if LORA:                                # + scale * xa[p] b[e]^T, its own fp32 sum
-        rr = tl.arange(0, BLOCK_R)
-        a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
-        b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
-        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = rr < R - r0
-            at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            lacc = tl.dot(at, bt, lacc, input_precision=PRECISION)
-            a_ptrs += BLOCK_R * stride_ar
-            b_ptrs += BLOCK_R * stride_br
-        acc += scale * lacc
     if BIAS:                                # the expert's bias row, in fp32
         acc += tl.load(bias_ptr + e64 * stride_biase + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -207,6 +214,12 @@ TILES = {
     "sm80": (128, 128, 64, 8, 4),
     "sm86": (128, 128, 64, 8, 3),
 }
+# By arch (Arch.name), ahead of the tier's: tiles timed on that GPU. sm_90: tools/gmm_tune.py on the
+# H100, the best of 12 candidates in every case of gpt-oss-20b and Qwen3-30B-A3B without LoRA (1.14-
+# 1.26x the tier's 128 x 128) and, with the LoRA summed first into the one accumulator, 1.19-1.26x
+# with it. Not for sm_100, which reads the sm90 tier: ptxas-blackwell fails on this tile with LoRA
+# (tools/arch_compile.py; with the LoRA's own accumulator, as before the change).
+TUNED = {"sm_90": (128, 256, 64, 8, 4)}
 _FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
 _INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
 
@@ -219,7 +232,8 @@ def _config(rows, O, Kd, dtype, device):
     """gmm's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); rows: mean rows per expert."""
     if interpreting():  # few, large programs (the interpreter runs them one by one), as gemm's chooser
         return interpret_config(rows, O, Kd) if interpret_big(rows, O, Kd) else _INTERPRET
-    bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else TILES[arch(device).tier]
+    a = arch(device)
+    bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else TUNED.get(a.name, TILES[a.tier])
     return bm, _pow2(O, 16, bn), bk, warps, stages
 
 

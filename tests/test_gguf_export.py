@@ -470,6 +470,41 @@ def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatc
     _no_files(tmp_path, "c")
 
 
+def test_writeback_falls_back_where_sync_file_range_is_refused(tmp_path, monkeypatch):
+    """sync_file_range refused by the file system or a sandbox (EINVAL, ENOSYS, ...): that range gets an
+    fdatasync instead and the export goes on; any other error (EIO) stops it, naming the fix."""
+    import ctypes
+    import errno
+
+    import lean.runtime.gguf_write as X
+
+    def refusing(code):
+        def fn(fd, offset, nbytes, flags):
+            ctypes.set_errno(code)
+            return -1
+        return fn
+
+    synced = []
+    monkeypatch.setattr(X, "_fdatasync", lambda fd: synced.append(fd))
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        f.write(b"x" * 100)
+        f.flush()
+        for code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            X._sync_file_range(refusing(code))(f.fileno(), 0, 100)
+        assert synced == [f.fileno()] * 3
+        with pytest.raises(OSError, match="Input/output error"):
+            X._sync_file_range(refusing(errno.EIO))(f.fileno(), 0, 100)
+    model_dir, adapter_dir, *_ = tiny_setup(tmp_path, "llama", targets="q")
+    monkeypatch.setattr(X, "FLUSH", "range")
+    monkeypatch.setattr(X, "FLUSH_BYTES", 1024)
+    monkeypatch.setattr(X, "_WRITEBACK", X._sync_file_range(refusing(errno.EINVAL)))
+    got = export_model(model_dir, tmp_path / "a.gguf", "Q8_0", adapter_dir, progress=False)
+    monkeypatch.setattr(X, "FLUSH", "fdatasync")
+    assert got.read_bytes() == export_model(model_dir, tmp_path / "b.gguf", "Q8_0", adapter_dir, progress=False).read_bytes()
+    assert len(synced) > 3
+
+
 def test_smollm2_vocab_comes_back(tmp_path):
     """The tokenizer metadata written from lean's HF folder of the SmolLM2 GGUF (the default model) is
     the GGUF's own: tokens, types, merges, pre-tokenizer, special ids, add_bos, chat template."""

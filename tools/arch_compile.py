@@ -288,7 +288,8 @@ def _compile_job(job):
         return k.metadata.shared, time.time() - t0, None
     except Exception as e:  # a compile error is a finding, reported with the launch
         lines = str(e).strip().splitlines() or [""]
-        said = [x for x in lines if "error" in x.lower() and "Repro command" not in x]  # ptxas's own words
+        said = [x for x in lines[1:] if ("error" in x.lower() or "fatal" in x.lower())  # ptxas's own words,
+                and "Repro command" not in x and "failed with error code" not in x]  # not Triton's header
         return None, time.time() - t0, f"{type(e).__name__}: {' / '.join(said[:2] or lines[-1:])[:300]}"
 
 

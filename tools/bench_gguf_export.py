@@ -16,8 +16,9 @@ Each measurement is its own process, timed here: wall seconds, user + system CPU
 RSS (the child's ru_maxrss, from os.wait4). lean: lean-export's main (`RUN --gguf TYPE --quiet
 --device D`: the adapter folded in; D cpu: numpy on the host, cuda: merged and quantised on the GPU),
 with gguf_write.FLUSH set first to each --flush mode; each row keeps the phases of lean-export's
-closing line and the seconds after main returned (after_main_s: the process's exit). On a GPU, two
-rows first time the floor of any process on this stack: start, import lean.export, a CUDA context, exit.
+closing line and the seconds after main returned (after_main_s: the process's exit). On a GPU, four
+rows first time the floor of any process on this stack: start, import lean.export, a CUDA context, and
+an ordinary exit or os._exit (as lean-export's cli), each twice.
 --repeat N runs each export N times: the first run on a GPU also compiles Triton's kernels into its
 cache (~/.triton/cache), the later ones find them there.
 write (--device cuda): the same number of bytes as the export's file written to the same folder in
@@ -38,6 +39,7 @@ On the H100 machine (gguf is not in its image: carried as a wheel; the 8B is wri
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,12 +77,8 @@ FLOOR_OS_EXIT = FLOOR + "; import os; os._exit(0)"  # the same without the inter
 def after_main(line: str, wall: float):
     """Seconds of a lean-export process after its main returned (the exit: freeing the CUDA context and
     host memory), from its closing line ("... in T s: before main B s, ...") and the wall time."""
-    try:
-        total = float(line.split(" in ", 1)[1].split(" s", 1)[0])
-        before = float(line.split("before main ", 1)[1].split(" s", 1)[0])
-    except (IndexError, ValueError):
-        return None
-    return wall - total - before
+    m = re.search(r" in ([0-9.]+) s: before main ([0-9.]+) s", line)
+    return None if m is None else wall - float(m.group(1)) - float(m.group(2))
 
 
 WRITE = """

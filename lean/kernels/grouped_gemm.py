@@ -51,7 +51,8 @@ with gather, LoRA, transposed w, accumulate), guard rows and columns around y an
 every gather/scale combination of gmm_wgrad, bitwise repeatability. Its bf16 GPU test (Qwen3-30B-A3B
 sizes) has not run as a test yet; the same checks as a script did on an H100 (below). Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
-GPUTarget, as tools/arch_compile.py; at most 65,536 B on sm_86/120, 131,072 B on sm_90).
+GPUTarget, as tools/arch_compile.py; at most 65,536 B on sm_86/120, 196,608 B on sm_90 (its timed
+128 x 256 tile), 131,088 B on sm_100).
 Speed (H100, bf16, tools/gmm_tune.py: triton do_bench, L2 flushed; 8192 tokens, zipf routing; the
 tile TUNED["sm_90"], against torch._grouped_mm on pre-gathered rows, + a second grouped GEMM and an
 add for the LoRA): Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 768) gate/up + LoRA 0.918 ms (1.15x
@@ -62,14 +63,15 @@ gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRE
 dtype, not a variant). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
 mode) because GPT-OSS's gate_up and down both need it and dX accumulation may meet it; a fifth
 variant (MXFP4 weights) is a new kernel (lean/kernels/mxfp4.py's gmm_mxfp4). With BIAS, gpt-oss-20b's
-gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 on sm_80, 131,072 on sm_90.
+gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 on sm_80, 196,608 on sm_90.
 Caution:
   - y must not alias x, xa, w, b or bias. The kernels trust offsets (sorted, offsets[E] = P) and the
     gathers (every r(p) < X): nothing on the device checks them.
   - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows.
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
   - gmm's tile on the H100 (TUNED["sm_90"]) is timed: tools/gmm_tune.py, 128 x 256 x 64, 8 warps, 4
-    stages won all eight cases of gpt-oss-20b and Qwen3-30B-A3B, 1.14-1.26x the tier's 128 x 128;
+    stages won the eight cases of gpt-oss-20b and Qwen3-30B-A3B without LoRA (1.14-1.26x the tier's
+    128 x 128) and the six with it (1.16-1.26x, the LoRA summed first);
     the tiers (sm90 on a B200, sm80, sm86) are chosen to fit, not timed.
 """
 import torch
@@ -96,6 +98,28 @@ def _expert_of_tile(off_ptr, E, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.conste
     first_tile = tl.sum(tl.where(mine, ends - tiles, 0), 0)
     row0 = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
     return e, row0, tl.sum(tl.where(mine, hi, 0), 0), tl.sum(tiles, 0)
+
+
+@triton.jit
+def _lora_first(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, e64, R, scale, stride_am, stride_ar, stride_be, stride_bo,
+                stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """scale * xa[rm] b[e]^T[:, rn], (BLOCK_M, BLOCK_N) fp32: the LoRA term's own fp32 sum, scaled in
+    fp32, which gmm's main loop (and gmm_mxfp4's) then accumulates onto. One accumulator: a second
+    one summed after the main loop doubled the live registers and spilled at the 128 x 256 tile
+    (tools/gmm_tune.py on the H100: the +LoRA cases at 0.73x of the 128 x 128 tile with it)."""
+    rr = tl.arange(0, BLOCK_R)
+    a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
+    b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r_ok = rr < R - r0
+        at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(at, bt, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_R * stride_ar
+        b_ptrs += BLOCK_R * stride_br
+    return acc * scale
 
 
 @triton.jit
@@ -127,22 +151,11 @@ def _gmm_kernel(
     e64 = e.to(tl.int64)
     x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
     w_ptrs = w_ptr + e64 * stride_we + rk[:, None] * stride_wk + rn.to(tl.int64)[None, :] * stride_wo
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # LoRA first: scale * xa[p] b[e]^T, its own fp32 sum scaled in fp32, then the main loop accumulates
-    # onto it. One accumulator: a second one after the loop doubled the live registers and spilled at
-    # the 128 x 256 tile (tools/gmm_tune.py: +LoRA 0.73x of the 128 x 128 tile with it, on the H100).
-    if LORA:
-        rr = tl.arange(0, BLOCK_R)
-        a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
-        b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = rr < R - r0
-            at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(at, bt, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_R * stride_ar
-            b_ptrs += BLOCK_R * stride_br
-        acc = acc * scale
+    if LORA:                                # the LoRA term first, the main loop onto it (_lora_first)
+        acc = _lora_first(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, e64, R, scale, stride_am, stride_ar,
+                          stride_be, stride_bo, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Kd, BLOCK_K):
         k_ok = rk < Kd - k0
         xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -216,7 +229,7 @@ TILES = {
 }
 # By arch (Arch.name), ahead of the tier's: tiles timed on that GPU. sm_90: tools/gmm_tune.py on the
 # H100, the best of 12 candidates in every case of gpt-oss-20b and Qwen3-30B-A3B without LoRA (1.14-
-# 1.26x the tier's 128 x 128) and, with the LoRA summed first into the one accumulator, 1.19-1.26x
+# 1.26x the tier's 128 x 128) and, with the LoRA summed first into the one accumulator, 1.16-1.26x
 # with it. Not for sm_100, which reads the sm90 tier: ptxas-blackwell fails on this tile with LoRA
 # (tools/arch_compile.py; with the LoRA's own accumulator, as before the change).
 TUNED = {"sm_90": (128, 256, 64, 8, 4)}
@@ -233,7 +246,9 @@ def _config(rows, O, Kd, dtype, device):
     if interpreting():  # few, large programs (the interpreter runs them one by one), as gemm's chooser
         return interpret_config(rows, O, Kd) if interpret_big(rows, O, Kd) else _INTERPRET
     a = arch(device)
-    bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else TUNED.get(a.name, TILES[a.tier])
+    real, _, emulated = a.name.partition(" as ")  # LEAN_ARCH: "sm_90 as sm_86" chooses as sm_86 would
+    tuned = TUNED.get(real) if emulated in ("", real) else None
+    bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else tuned or TILES[a.tier]
     return bm, _pow2(O, 16, bn), bk, warps, stages
 
 

@@ -31,13 +31,14 @@ gmm_mxfp4: lean/kernels/grouped_gemm.py's gmm with the weight held as MXFP4 (blo
     Flags GATHER, LORA, BIAS, PACK_K (no accumulate: no MoE GEMM on a frozen MXFP4 weight needs it).
     A w tile is read as whole bytes and scales along its packed dim ((BN, BK/2) and (BN, BK/32) with
     blocks along Kd, (BK, BN/2) and (BK, BN/32) transposed: BK / BN at least 32), decoded and
-    scaled in registers (_decode); the tiles are otherwise gmm's (untuned).
+    scaled in registers (_decode); the tiles are otherwise gmm's (its _config: timed for gmm, not for
+    this kernel).
 
 Supported: any leading shape and block count (int64 offsets); contiguous tensors.
 Shared memory (triton.compile for GPUTarget on the CPU, as tools/arch_compile.py; gpt-oss-20b's
 shapes, bf16, N 8192, K 4, E 32, C = F = 2880, R 16): mxfp4_dequant 1,024 B on every tier;
 gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) at most 57,344 B on
-sm_86/89/120/121 (limit 101,376), 77,824 B on sm_80, 94,224 B on sm_90/100: gmm's tiles fit with
+sm_86/89/120/121 (limit 101,376), 77,824 B on sm_80, 122,880 B on sm_90, 94,224 on sm_100: gmm's tiles fit with
 room (the byte and scale tiles are decoded in registers). tools/arch_compile.py launches them with the MoE preset.
 Tested: tests/test_mxfp4.py: under the interpreter, fp32 and fp16 out, bit for bit against the
 reference on every byte at every scale and random gpt-oss-like blocks, an odd block count;
@@ -50,9 +51,9 @@ Caution:
     the interpreter so far).
   - bf16 out is not checked in the interpreter: its fp32 -> bf16 cast is not round-to-nearest-even
     (256 of the 65,536 byte-scale pairs differ); the test checks bf16 on a GPU (passed on the H100).
-  - gmm_mxfp4 measured 0.25-0.31x of gmm on the bf16 weight at gpt-oss-20b's shapes (H100,
-    BENCHMARKS.md; 0.09-0.14x before its loads became byte and scale tiles), mxfp4_dequant + gmm
-    0.79-0.84x: models/moe.py runs the latter (MXFP4_FUSED False). The decode (integer ops, an
+  - gmm_mxfp4 measured 0.25-0.31x of gmm on the bf16 weight at gpt-oss-20b's shapes (H100, both at
+    the 128 x 128 tile, before gmm's 128 x 256 on sm_90; BENCHMARKS.md; 0.09-0.14x before its loads
+    became byte and scale tiles), mxfp4_dequant + gmm 0.79-0.84x: models/moe.py runs the latter (MXFP4_FUSED False). The decode (integer ops, an
     interleave and a reshape per tile) competes with the MMA for the SM; a lookup-table decode or
     a warp-specialised producer is where the rest would come from.
 """
@@ -62,7 +63,7 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile
-from lean.kernels.grouped_gemm import MAX_E, _config, _expert_of_tile, _offsets, _pow2, _rows
+from lean.kernels.grouped_gemm import MAX_E, _config, _expert_of_tile, _lora_first, _offsets, _pow2, _rows
 
 _OUT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -140,7 +141,11 @@ def _gmm_mxfp4_kernel(
     x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
     q_e = q_ptr + e64 * stride_qe
     s_e = s_ptr + e64 * stride_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LORA:                                # the LoRA term first, the main loop onto it, as gmm
+        acc = _lora_first(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, e64, R, scale, stride_am, stride_ar,
+                          stride_be, stride_bo, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Kd, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < Kd
@@ -165,19 +170,6 @@ def _gmm_mxfp4_kernel(
             wt = _decode(byte, sc, BLOCK_K, BLOCK_N).to(x_ptr.dtype.element_ty)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
-    if LORA:                                # + scale * xa[p] b[e]^T, its own fp32 sum (as gmm)
-        rr = tl.arange(0, BLOCK_R)
-        a_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * stride_am + rr[None, :] * stride_ar
-        b_ptrs = b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo
-        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = rr < R - r0
-            at = tl.load(a_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            lacc = tl.dot(at, bt, lacc, input_precision=PRECISION)
-            a_ptrs += BLOCK_R * stride_ar
-            b_ptrs += BLOCK_R * stride_br
-        acc += scale * lacc
     if BIAS:
         acc += tl.load(bias_ptr + e64 * stride_biase + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]

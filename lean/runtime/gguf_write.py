@@ -45,6 +45,7 @@ mid-write and too little free space leave nothing and keep the earlier file; the
 file, through the interpreter, equals the numpy path's at Q8_0 and Q4_K_M; a NaN refused on both).
 Measured: tools/bench_gguf_export.py gpu (the 8B on the H100 against writing as many bytes).
 """
+import errno
 import os
 import shutil
 import threading
@@ -271,25 +272,33 @@ def write_gguf(path, arch: str, meta: dict, plan: list, src=None, device=None, p
     return path
 
 
-def _sync_file_range():
-    """libc's sync_file_range(fd, offset, nbytes, flags) through ctypes (Linux), or None elsewhere."""
+def _sync_file_range(fn=None):
+    """start_writeback(fd, offset, nbytes) over libc's sync_file_range through ctypes (Linux; fn: a
+    stand-in with its signature, for tests), or None where there is none."""
     import ctypes
     import sys
 
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
+    if fn is None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        except (OSError, AttributeError):
+            return None
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
 
     def start_writeback(fd, offset, nbytes):
         if fn(fd, offset, nbytes, 2) != 0:  # 2: SYNC_FILE_RANGE_WRITE, start the range's writeback, wait for none
             err = ctypes.get_errno()
+            if err in _NOT_HERE:  # this file system or sandbox does not take it: the plain flush instead
+                return _fdatasync(fd)
             raise OSError(err, os.strerror(err))
     return start_writeback
+
+
+_NOT_HERE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE, errno.EPERM}
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS and Windows have no fdatasync
 
 
 _WRITEBACK = _sync_file_range()
@@ -301,9 +310,11 @@ class _Flusher:
     5 GB file fits under Linux's background writeback threshold, so without it the disk idles until the
     end). Every FLUSH_BYTES written, in a thread of its own, one call in flight at a time:
       FLUSH "range" (Linux): sync_file_range(SYNC_FILE_RANGE_WRITE) on the bytes written since the last
-                 call: their writeback starts, nothing is waited for (the closing fsync waits once);
-      "fdatasync": the whole file's dirty pages written and waited for.
-    A failed call's OSError (a full disk) comes back through wrote() or close()."""
+                 call: their writeback starts, nothing is waited for (the closing fsync waits once; a
+                 file system that does not take the call gets an fdatasync instead);
+      "fdatasync": the whole file's dirty pages written and waited for (fsync where there is none).
+    A failed call's OSError comes back through wrote() or close(); a full disk under "range" shows at
+    the closing fsync (the writeback it started fails there), under "fdatasync" at the next call."""
 
     def __init__(self):
         self.pool, self.job, self.pending, self.start = None, None, 0, None
@@ -322,7 +333,7 @@ class _Flusher:
         if FLUSH == "range":
             self.job = self.pool.submit(_WRITEBACK, f.fileno(), self.start, end - self.start)
         else:
-            self.job = self.pool.submit(os.fdatasync, f.fileno())
+            self.job = self.pool.submit(getattr(os, "fdatasync", os.fsync), f.fileno())
         self.pending, self.start = 0, end
 
     def close(self, raise_error=True):

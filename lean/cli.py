@@ -13,7 +13,8 @@ tokens, lr, ... sized for the device) fills every flag not given; otherwise Trai
 (ConfigError, TrainError, DataError, ModelLoadError, OSError, ...) exit with status 2 and one line:
 the cause and the fix; Ctrl-C saves a checkpoint and exits with status 130, saying what is saved
 and what to run next; SIGTERM (kill, timeout, a scheduler stopping the job) does the same and
-exits with status 143. Data warnings print as one "lean-train: warning:" line. Without a GPU,
+exits with status 143 (on the CPU, where the kernels run in Triton's interpreter, either waits for
+the kernel running to end: kernels/_interp.py). Data warnings print as one "lean-train: warning:" line. Without a GPU,
 numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse
@@ -254,6 +255,8 @@ def main(argv=None) -> int:
         warnings.showwarning = show
         if term is not None:
             signal.signal(signal.SIGTERM, term)
+            if getattr(signal.getsignal(signal.SIGINT), "lean", False):  # Ctrl-C back to Python's own
+                signal.signal(signal.SIGINT, signal.default_int_handler)
     if rank != 0:
         return 0
     if merged is not None:
@@ -277,16 +280,34 @@ def main(argv=None) -> int:
 def _sigterm_as_interrupt(terminated):
     """SIGTERM raises KeyboardInterrupt, so a run stopped by `kill`, `timeout` or a job scheduler
     saves its checkpoint and says so, as on Ctrl-C (the default SIGTERM ends the process at once:
-    no checkpoint since the last --save-every, no message). Returns the previous handler (None off
-    the main thread, where no handler can be set)."""
+    no checkpoint since the last --save-every, no message). SIGINT, where Python's own handler has
+    it, takes the same handler: both hold the interrupt while a kernel runs in Triton's interpreter
+    (_interrupt). Returns the previous SIGTERM handler (None off the main thread, where no handler
+    can be set); main puts Python's SIGINT handler back."""
     def handler(signum, frame):
-        terminated.append(signum)
-        raise KeyboardInterrupt
+        if signum == signal.SIGTERM:
+            terminated.append(signum)
+        _interrupt()
 
+    handler.lean = True
     try:
-        return signal.signal(signal.SIGTERM, handler)
+        previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread
         return None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Ctrl-C the same way (not where ignored)
+        signal.signal(signal.SIGINT, handler)
+    return previous
+
+
+def _interrupt():
+    """KeyboardInterrupt now, or, while a kernel runs in Triton's CPU interpreter, once that launch
+    has put triton.language's builtins back (kernels/_interp.py: an interrupt in the middle of that
+    swap leaves it half done, and the checkpoint after it fails)."""
+    from .kernels import _interp
+    if _interp.in_launch():
+        _interp.hold_interrupt()
+        return
+    raise KeyboardInterrupt
 
 
 def _data_warnings_as_lines(show):

@@ -77,3 +77,41 @@ def test_builtins_restored_and_device_calls_skipped(monkeypatch):
         tl.arange(0, 4)
     with pytest.raises(ValueError, match="triton.jit"):
         tl.core.full((4,), 0, tl.float32)
+
+
+def test_an_interrupt_in_a_launch_waits_for_its_undo(monkeypatch):
+    """lean-train's SIGINT / SIGTERM handler inside an interpreter launch holds the interrupt, and the
+    launch's undo raises it with every builtin back; outside a launch it raises at once. (An interrupt
+    in the middle of the swap left triton.language swapped, and the next kernel failed.)"""
+    import signal
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    from lean import cli
+    from lean.kernels import _interp
+    from lean.kernels.rope import _rope_kernel
+
+    assert _interp.patch_device_calls()
+    terminated = []
+    old_int = signal.getsignal(signal.SIGINT)
+    previous = cli._sigterm_as_interrupt(terminated)
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is (handler if old_int is signal.default_int_handler else old_int)
+        with pytest.raises(KeyboardInterrupt):              # no launch: now
+            handler(signal.SIGTERM, None)
+        scope = interp._patch_lang(_rope_kernel.fn)     # a launch's swap, as GridExecutor makes it
+        assert _interp.in_launch()
+        handler(signal.SIGTERM, None)                       # held: no exception inside the launch
+        handler(signal.SIGTERM, None)
+        assert terminated == [signal.SIGTERM] * 3
+        with pytest.raises(KeyboardInterrupt):              # raised by the undo, once
+            scope.restore()
+        assert not _interp.in_launch() and not _interp._STATE["pending"]
+        with pytest.raises(ValueError, match="triton.jit"):  # the builtins are back
+            tl.arange(0, 4)
+        interp._patch_lang(_rope_kernel.fn).restore()  # the next launch: nothing held over
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, old_int)

@@ -16,6 +16,11 @@ What the patch does: while a launch's swap is in place, a device function's call
 modules the launch has not swapped (triton.language.core, which tl.zeros' own module reads, on its
 first call), and records those swaps in the launch's scope, so that the launch's end undoes
 them too; every other device call swaps nothing. Outside a launch nothing changes.
+Interrupts: a KeyboardInterrupt raised while the builtins are half swapped (in the swap's walk, or
+between the swap and the interpreter's try) leaves triton.language swapped for good, and the next
+kernel fails with numpy errors (a lean-train run on the CPU stopped by SIGTERM then exited 1 instead
+of saving its checkpoint). lean-train's SIGINT and SIGTERM handlers ask in_launch() and, inside a
+launch, hold the interrupt (hold_interrupt): the launch's undo raises it once everything is back.
 Caution: it reads two private names of triton 3.6's interpreter (_patch_lang and the scope's
 _changes list); with a triton where they differ it leaves the interpreter as it is (the kernels
 then run at the old speed). LEAN_INTERP_PATCH=0 turns it off.
@@ -25,7 +30,8 @@ launch; the device calls' swaps skipped).
 import inspect
 import os
 
-_STATE = {"scope": None, "modules": frozenset()}   # the launch in progress: its scope, the modules it swapped
+_STATE = {"scope": None, "modules": frozenset(),  # the launch in progress: its scope, the modules it swapped
+          "swapping": False, "pending": False}      # a launch's swap under way; an interrupt held for its end
 _GLOBALS = {}                                       # id(fn.__globals__) -> ids of the language modules it sees
 _applied = False
 
@@ -38,6 +44,18 @@ def _languages(fn, tl):
         got = _GLOBALS[key] = frozenset(id(v) for v in fn.__globals__.values()
                                         if inspect.ismodule(v) and v in (tl, tl.core))
     return got
+
+
+def in_launch() -> bool:
+    """True while a kernel runs in the interpreter with triton.language's builtins swapped (from the
+    swap's start to its undoing)."""
+    return _STATE["scope"] is not None or _STATE["swapping"]
+
+
+def hold_interrupt():
+    """Raise KeyboardInterrupt when the launch in progress has undone its swap, not now (a signal
+    handler's call, lean-train's SIGINT / SIGTERM: see the module docstring)."""
+    _STATE["pending"] = True
 
 
 def patch_device_calls() -> bool:
@@ -66,15 +84,22 @@ def patch_device_calls() -> bool:
             scope._changes = []
             _STATE["modules"] = _STATE["modules"] | need
             return scope
-        scope = original(fn)                         # a launch: swap, and remember until its end
-        undo = scope.restore
+        _STATE["swapping"] = True                    # a launch: swap, and remember until its end
+        try:
+            scope = original(fn)
+            undo = scope.restore
 
-        def restore():
-            _STATE["scope"], _STATE["modules"] = None, frozenset()
-            undo()
+            def restore():
+                undo()
+                _STATE["scope"], _STATE["modules"] = None, frozenset()
+                if _STATE["pending"]:                # an interrupt held back during the launch: now
+                    _STATE["pending"] = False
+                    raise KeyboardInterrupt
 
-        scope.restore = restore
-        _STATE["scope"], _STATE["modules"] = scope, need
+            scope.restore = restore
+            _STATE["scope"], _STATE["modules"] = scope, need
+        finally:
+            _STATE["swapping"] = False
         return scope
 
     interp._patch_lang = _patch_lang

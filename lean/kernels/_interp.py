@@ -16,11 +16,14 @@ What the patch does: while a launch's swap is in place, a device function's call
 modules the launch has not swapped (triton.language.core, which tl.zeros' own module reads, on its
 first call), and records those swaps in the launch's scope, so that the launch's end undoes
 them too; every other device call swaps nothing. Outside a launch nothing changes.
-Interrupts: a KeyboardInterrupt raised while the builtins are half swapped (in the swap's walk, or
-between the swap and the interpreter's try) leaves triton.language swapped for good, and the next
-kernel fails with numpy errors (a lean-train run on the CPU stopped by SIGTERM then exited 1 instead
-of saving its checkpoint). lean-train's SIGINT and SIGTERM handlers ask in_launch() and, inside a
-launch, hold the interrupt (hold_interrupt): the launch's undo raises it once everything is back.
+Interrupts: a KeyboardInterrupt raised by a signal handler inside a launch is not safe. Raised in
+numpy's conversion of a shape (Python code runs there), numpy turns it into TypeError("expected a
+sequence of integers or a single integer, got '(32)'"), which the interpreter raises as an
+InterpreterError: a lean-train run on the CPU stopped by SIGTERM exited 1 instead of saving its
+checkpoint (seen once in CI, and once in 900 timed interrupts of an attention launch loop). Raised
+while the builtins are half swapped, it would leave triton.language swapped. So lean-train's SIGINT
+and SIGTERM handlers ask in_launch() and, inside a launch, hold the interrupt (hold_interrupt): the
+launch's undo raises it once everything is back.
 Caution: it reads two private names of triton 3.6's interpreter (_patch_lang and the scope's
 _changes list); with a triton where they differ it leaves the interpreter as it is (the kernels
 then run at the old speed). LEAN_INTERP_PATCH=0 turns it off.

@@ -20,7 +20,7 @@ Interrupts: a KeyboardInterrupt raised by a signal handler inside a launch is no
 numpy's conversion of a shape (Python code runs there), numpy turns it into TypeError("expected a
 sequence of integers or a single integer, got '(32)'"), which the interpreter raises as an
 InterpreterError: a lean-train run on the CPU stopped by SIGTERM exited 1 instead of saving its
-checkpoint (seen once in CI, and once in 900 timed interrupts of an attention launch loop). Raised
+checkpoint (seen once in CI, and once in 600 timed interrupts of an attention launch loop). Raised
 while the builtins are half swapped, it would leave triton.language swapped. So lean-train's SIGINT
 and SIGTERM handlers ask in_launch() and, inside a launch, hold the interrupt (hold_interrupt): the
 launch's undo raises it once everything is back.

@@ -74,7 +74,9 @@ def test_close_to_reference(dtype, N, V, C, chunk_v, grad_scale, ignore_index):
         # max|dh| from fp64 at these V (test_linear_ce's known gap), so up to 1e-4 from each other
         assert err <= 1e-4 * ref_dh.float().abs().max().item(), err
     else:
-        assert err <= 4 * ulp * ref_dh.float().abs().max().item(), err  # a few roundings of dh's largest
+        # a few roundings of dh's largest, and one more per vocab chunk (its partial sums are added in
+        # another order: seed 482218300 gave 4.7 at V 2053 in 3 chunks)
+        assert err <= 4 * ulp * (1 + V // chunk_v) * ref_dh.float().abs().max().item(), err
 
 
 @pytest.mark.parametrize("with_dh", [True, False])

@@ -14,7 +14,8 @@ tokens, lr, ... sized for the device) fills every flag not given; otherwise Trai
 the cause and the fix; Ctrl-C saves a checkpoint and exits with status 130, saying what is saved
 and what to run next; SIGTERM (kill, timeout, a scheduler stopping the job) does the same and
 exits with status 143 (on the CPU, where the kernels run in Triton's interpreter, either waits for
-the kernel running to end: kernels/_interp.py). Data warnings print as one "lean-train: warning:" line. Without a GPU,
+the kernel running to end: kernels/_interp.py). Data warnings print as one "lean-train: warning:"
+line. Without a GPU,
 numpy's BLAS runs on one thread (interp.py: the interpreter's small matmuls).
 """
 import argparse

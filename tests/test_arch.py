@@ -28,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "arch_compile.py")
 TARGETS = (80, 86, 89, 90, 100, 120, 121)
 # Kernels only the Hopper path launches (TMA descriptors): compiled for the targets that take it.
-HOPPER_ONLY = {"_matmul_tma_kernel", "_lora_linear_fwd_tma_pre_kernel", "_lora_linear_bwd_tma_pre_kernel",
-               "_lora_lowrank_kernel"}
+HOPPER_ONLY = {"_matmul_tma_kernel", "_lora_linear_fwd_tma_pre_kernel", "_lora_linear_bwd_tma_pre_kernel"}
 
 
 def _compile_tool(args, code=None, timeout=900):
@@ -74,7 +73,7 @@ def test_a_config_too_large_fails():
             "sys.exit(h.main(sys.argv[1:]))")
     res = _compile_tool(["--models", "qwen3-0.6b", "--targets", "86", "--workers", "2"], code=code)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "MISFIT sm_86 _matmul_kernel" in res.stdout and "BLOCK_M=256, BLOCK_N=256" in res.stdout, res.stdout[-3000:]
+    assert "MISFIT sm_86 _matmul_kmajor_kernel" in res.stdout and "BLOCK_M=256, BLOCK_N=256" in res.stdout, res.stdout[-3000:]
     assert "the arch allows 101,376" in res.stdout
 
 

@@ -90,6 +90,19 @@ def test_matmul_empty_k_gives_bias():
     assert_close_rule(c, bias.double().expand(5, 7), name="c")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [64, 37])
+@pytest.mark.parametrize("with_bias,accumulate,alpha", [(False, False, 1.0), (True, True, -0.5)])
+def test_matmul_kmajor_persistent(dtype, K, with_bias, accumulate, alpha, monkeypatch):
+    """x W^T on _matmul_kmajor_kernel with 3 programs over more tiles (15 in the interpreter, 4 on a
+    GPU), rows and columns past the edges wrapped: K a multiple of the K step (no load masks) and not."""
+    programs = []
+    monkeypatch.setattr(G, "kmajor_programs", lambda tiles, at: programs.append(min(tiles, 3)) or programs[-1])
+    g = fresh_generator()
+    _run_and_compare(67, 131, K, dtype, False, True, with_bias=with_bias, accumulate=accumulate, alpha=alpha, g=g)
+    assert programs == [3], programs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(8192, 1024, 1024), (4097, 3072, 1024), (8192, 2048, 8192)])
 def test_matmul_gpu_sizes(M, N, K):

@@ -235,6 +235,26 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
 
 
+@pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
+def test_lora_linear_pointer_prepass(N, K, O, R, with_bias, monkeypatch):
+    """The pointer path's forward with xa from a pre-pass (16-bit, p = 0, where TMA is not taken:
+    _lora_linear_fwd_pre_kernel, a persistent grid walking several tiles, K a multiple of the K step
+    and not) against torch, with its work threshold lowered: on the CPU as the interpreter picks it,
+    on a GPU with the portable path forced. Fails if the kernel did not run."""
+    import lean.kernels.arch as A
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)
+    if DEVICE != "cpu":
+        monkeypatch.setitem(A._FORCED, "portable", True)
+    calls = []
+    _spy(monkeypatch, L, "_fwd_ptr_pre", calls)
+    test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
+    assert calls == ["_fwd_ptr_pre"], f"pointer pre-pass not used: {calls}"
+    assert L.fwd_prepass(torch.empty(N, K, device=DEVICE, dtype=LOWP), torch.empty(O, K, device=DEVICE, dtype=LOWP),
+                         torch.empty(R, K, device=DEVICE, dtype=LOWP))
+    assert not L.fwd_prepass(torch.empty(N, K, device=DEVICE), torch.empty(O, K, device=DEVICE),
+                             torch.empty(R, K, device=DEVICE))   # fp32: the fused kernel
+
+
 def test_lora_linear_rejects_bad_arguments():
     N, K, O, R = 8, 16, 12, 4
     x, w = torch.zeros(N, K, device=DEVICE), torch.zeros(O, K, device=DEVICE)

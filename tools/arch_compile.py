@@ -9,13 +9,13 @@ its arguments and asks its config chooser exactly as on that GPU, and the record
 kernel, its arguments and options instead of launching. What runs per preset model (one layer:
 every layer launches the same kernels): the eager step over a packed 8192-token batch (documents
 of 1 token up to the longest), the same inside gemm.tma_at_every_size (what StepGraph captures:
-TMA at every size where the arch takes it), a rebuilt-in-backward plan (the deferred dA kernels),
-LoRA dropout, AdamW, evaluation (loss_eval) and a short batch, the logits GEMM, the loss and logits
-with the lm_head streamed from the host (head_host.py), and generation's
-cached forward and argmax. Kernels no step launches (the dropout-mask test kernel, attention's
-TMA loops forced) are called directly. Then each distinct (kernel, specialization, options) is
-compiled by triton.compile for GPUTarget("cuda", cc, 32) with Triton's own ptxas, and its
-metadata.shared compared with the arch table's limit.
+TMA at every size where the arch takes it; there also under LEAN_PORTABLE=1, the pointer kernels),
+a rebuilt-in-backward plan (the deferred dA kernels), LoRA dropout, AdamW, evaluation (loss_eval)
+and a short batch, the logits GEMM, the loss and logits with the lm_head streamed from the host
+(head_host.py), and generation's cached forward and argmax. Kernels no step launches (the
+dropout-mask test kernel, attention's TMA loops forced) are called directly. Then each distinct
+(kernel, specialization, options) is compiled by triton.compile for GPUTarget("cuda", cc, 32)
+with Triton's own ptxas, and its metadata.shared compared with the arch table's limit.
 
 The same launch recorded for several models or variants compiles once per target (Triton's own
 cache key); compiles run on a process pool. Needs Triton's CUDA backend (bundled with the wheel)
@@ -143,7 +143,7 @@ def _nf4_launches(cfg, dtype, batch, tokens):
 def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     """Run the step's variants for one preset on meta tensors, recording every launch."""
     import lean
-    from lean.kernels.arch import arch
+    from lean.kernels.arch import arch, portable
     from lean.kernels.argmax import argmax_fwd
     from lean.kernels.attention import attention_bwd, attention_fwd
     from lean.kernels.gemm import tma_at_every_size
@@ -176,6 +176,9 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         lora = lean.LoRA.init(model, r=16, alpha=32, targets="all", seed=0)
         with tma_at_every_size():  # the captured step's kernels
             lean.forward_backward(model, lora, graph_batch)
+            if arch().tma:  # and its pointer kernels, as LEAN_PORTABLE=1 runs them on such a GPU
+                with portable():
+                    lean.forward_backward(model, lora, graph_batch)
         plan = make_plan(cfg, tokens, (RECOMPUTE, KEEP), lora_rank=16)
         lean.forward_backward(model, lora, big, plan=plan)
         lean.loss_eval(model, lora, big)

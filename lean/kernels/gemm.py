@@ -32,11 +32,13 @@ row-major a, TMA-describable a and b (16-byte aligned base and row stride) and T
 a wave of 128 x 256 tiles, _matmul_tma_kernel, tiles
 loaded by TMA through host tensor descriptors and a persistent grid (one program per SM walking the
 tiles); fewer tiles over a K long enough to slice, split-K (gemm_splitk.py: fp32 partials of K
-slices, summed in fixed order; the fused linear-CE's dh chunks). Otherwise (fp32, transposed a,
-odd strides, small outputs, the interpreter): _matmul_kernel, pointer loads.
-Speed (H100, bf16, M = 8192, Qwen3-0.6B / Llama-3.2-1B projections, CUDA-graph medians,
-tools/step_levers.py): TMA x W^T 0.94-1.03x cuBLAS, dy W 0.88-0.98x; the pointer kernel x W^T
-0.74-0.79x (ptxas serialises its wgmmas in that layout), dy W 0.82-0.94x.
+slices, summed in fixed order; the fused linear-CE's dh chunks). Otherwise (the portable path,
+fp32, transposed a, odd strides, small outputs, the interpreter) pointer loads: x W^T with row-major
+a (both operands K-contiguous) on _matmul_kmajor_kernel, a persistent grid; the rest on
+_matmul_kernel, one program per tile.
+Speed (H100, bf16, M = 8192, Qwen3-0.6B / Llama-3.2-1B projections): TMA x W^T 0.94-1.03x cuBLAS,
+dy W 0.88-0.98x (CUDA-graph medians, tools/step_levers.py); pointer loads x W^T 0.83-0.95x,
+dy W 0.84-0.99x (do_bench medians, L2 flushed; the configuration notes below).
 Caution:
   - c must not alias a or b (tiles of c are written while other programs still read a and b).
   - the split-K path allocates an fp32 workspace on every call (gemm_splitk.py's Caution).
@@ -112,6 +114,54 @@ def _matmul_kernel(
 
 
 @triton.jit
+def _matmul_kmajor_kernel(
+    c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
+    a_ptr, b_ptr, bias_ptr,                 # (M, K), (K, N) views, both K-contiguous (x W^T); bias or dummy
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    alpha, n_programs,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """_matmul_kernel for the pointer path's x W^T (b K-contiguous): a persistent grid of
+    n_programs walking the tiles in grouped order, each K step's pointers computed afresh, and rows
+    and columns past the edges read wrapped (row M reads row 0; their products are never stored),
+    so no load carries an M or N mask and, when BLOCK_K divides K (EVEN_K), no mask at all. Same
+    epilogue. The launcher sends unit K strides only (row-major a), so the int32 K offsets cannot
+    overflow. Why this shape: in the per-tile form with pointer increments ptxas serialises the
+    128x256 wgmmas of this layout (C7515) on sm_90; this loop nest compiles without it (speed below)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_rows = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am   # int64: M * stride can pass 2^31
+        b_cols = b_ptr + (rn % N).to(tl.int64)[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K:
+                a = tl.load(a_rows + kk[None, :] * stride_ak)
+                b = tl.load(b_cols + kk[:, None] * stride_bk)
+            else:
+                a = tl.load(a_rows + kk[None, :] * stride_ak, mask=(kk < K)[None, :], other=0.0)
+                b = tl.load(b_cols + kk[:, None] * stride_bk, mask=(kk < K)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+        acc = acc * alpha
+        n_ok = rn < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        mask = (rm < M)[:, None] & n_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _matmul_tma_kernel(
     c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
     a_desc, b_desc, bias_ptr,               # TMA descriptors of a (M, K) and b: (N, K) if B_KMAJOR, else (K, N)
@@ -149,24 +199,24 @@ def _matmul_tma_kernel(
 # arch tier (lean/kernels/arch.py); every entry fits its arch's shared memory by the compiler's own
 # measure (tests/test_arch.py compiles each one for sm_80/86/89/90/100/120/121).
 # sm90 (H100, tuned). Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine
-# Qwen3-0.6B / Llama-3.2-1B projection shapes, two runs on one H100 (Triton 3.6, torch 2.11 / cuBLAS):
-#   y = x W^T (b = w.t(), K-contiguous): 256x128x64 w8 s3 460-545 TF/s (0.66-0.74x cuBLAS) beats
-#     128x256x64 s3/s4 400-530 and 128x128 360-490; ptxas serialises the 128x256 wgmmas in this
-#     layout (warning C7515). Loading W's tile (BN, BK) and tl.trans'ing it measured the same.
-#     Exception: N = 512 (Llama k/v), where 256x128 tiles give only 128 programs: 128x256 s4 432.
-#   dx = dy W (b row-major): 128x256x64 w8 s4 430-714 TF/s (0.83-0.95x cuBLAS), 5-15% over s3;
-#     256x128 and 128x128 trail by 10-30%.
-# sm80 (A100, 166,912 B): the sm90 tiles, which fit (147,456 B at most); untuned.
-# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 `wide` tile at 4 stages needs
-#   147,456 B there (mma.sync keeps num_stages - 1 buffers: 49,152 B per stage at 128x256x64), so
-#   it runs 3 stages: 98,304 B; kmajor 256x128x64 s3 is 98,304 B as on sm90; small 73,728 B.
+# Qwen3-0.6B / Llama-3.2-1B projection shapes, one H100 (Triton 3.6, torch 2.11 / cuBLAS):
+#   y = x W^T (b = w.t(), K-contiguous) on _matmul_kmajor_kernel: 128x256x64 w8 s4 0.83-0.95x cuBLAS,
+#     geometric mean 0.87x, over 11 candidates (s3 0.86x, 256x128 0.81x, 128x256x128 s2 0.61x;
+#     GROUP_M 4 or 16 and masked loads within 1%), 2026-11-27. The per-tile _matmul_kernel in this
+#     layout ran 0.66-0.76x at its best tile (256x128x64 w8 s3; its 128x256 wgmmas serialise, C7515).
+#   dx = dy W (b row-major) on _matmul_kernel: 128x256x64 w8 s4 0.84-0.99x cuBLAS (geometric mean
+#     0.91x); the persistent loop nest above 0.80-0.96x (0.87x) in this layout, so it stays per-tile.
+# sm80 (A100, 166,912 B): the sm90 tiles, which fit (147,456 B at most: mma.sync keeps
+#   num_stages - 1 buffers, 49,152 B per stage at 128x256x64); untuned.
+# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. 128x256x64 at 3 stages: 98,304 B, no spills
+#   (ptxas, Triton 3.6); small 73,728 B.
 TILES = {
-    "sm90": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
-    "sm80": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
-    "sm86": {"kmajor": (256, 128, 64, 8, 3), "wide": (128, 256, 64, 8, 3), "small": (64, 128, 64, 4, 4)},
+    "sm90": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
+    "sm80": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
+    "sm86": {"kmajor": (128, 256, 64, 8, 3), "wide": (128, 256, 64, 8, 3), "small": (64, 128, 64, 4, 4)},
 }
-# kmajor: b K-contiguous (x W^T), when its grid fills the SMs; wide: b row-major, and x W^T with few
-# 256x128 tiles; small: outputs under half a wave of 128x256 tiles (untuned everywhere).
+# kmajor: b K-contiguous (x W^T, _matmul_kmajor_kernel); wide: b row-major; both when the output
+# holds at least half a wave of 128x256 tiles; small: smaller outputs (untuned everywhere).
 _FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
 # TRITON_INTERPRET=1 (CPU): small tiles for test shapes, so they span several tiles per dim ...
 _INTERPRET = (32, 32, 32, 4, 1)
@@ -225,10 +275,8 @@ def gemm_config(M, N, dtype, at, b_kmajor=False, K=0):
     if dtype == torch.float32:
         return _FP32
     tiles = TILES[at.tier]
-    if b_kmajor and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= at.sms:
-        return tiles["kmajor"]
     if triton.cdiv(M, 128) * triton.cdiv(N, 256) >= at.sms // 2:
-        return tiles["wide"]
+        return tiles["kmajor" if b_kmajor else "wide"]
     return tiles["small"]
 
 
@@ -248,11 +296,17 @@ def in_tma_at_every_size():
     return _TMA_MIN["macs"] == 0
 
 
+def worth_a_prepass(macs):
+    """True for GEMMs of at least the threshold in force (TMA_MIN_MACS; 0 inside tma_at_every_size):
+    big enough that a launch's extra host time (a TMA descriptor, a pre-pass kernel) pays."""
+    return macs >= _TMA_MIN["macs"]
+
+
 def tma_ok(*tensors, macs):
     """True when a TMA main loop should run: at least TMA_MIN_MACS multiply-adds (0 inside
     tma_at_every_size), an arch that takes the TMA path (arch.py; never the interpreter) and 2-D 16-bit tensors with a unit
     last stride and 16-byte aligned bases and row strides."""
-    return macs >= _TMA_MIN["macs"] and not interpreting() and arch(tensors[0].device).tma and all(
+    return worth_a_prepass(macs) and not interpreting() and arch(tensors[0].device).tma and all(
         t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
         and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
@@ -282,6 +336,11 @@ def _use_tma(a, b, M, N):
         return False
     return tma_ok(a, b.t() if b.stride(0) == 1 and N > 1 else b, macs=M * N * a.shape[1])
 
+
+
+def kmajor_programs(tiles, at):
+    """Programs of _matmul_kmajor_kernel's persistent grid: one per SM, or one per tile when fewer."""
+    return min(tiles, at.sms)
 
 
 def _check_strided(t, name):
@@ -314,7 +373,23 @@ def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
     split = gemm_splitk._use_splitk(a, b, M, N, K) if K > 0 else 1
     if split > 1:
         return gemm_splitk._matmul_splitk(c, a, b, bias, accumulate, alpha, split)
-    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, arch(a.device), b_kmajor=b.stride(0) == 1 and N > 1, K=K)
+    at = arch(a.device)
+    kmajor = b.stride(0) == 1 and N > 1
+    BM, BN, BK, warps, stages = gemm_config(M, N, a.dtype, at, b_kmajor=kmajor, K=K)
+    if kmajor and a.stride(1) == 1:
+        tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+        n_programs = kmajor_programs(tiles, at)
+        _matmul_kmajor_kernel[(n_programs,)](
+            c, a, b, bias if bias is not None else c,
+            M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+            float(alpha), n_programs,
+            HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), EVEN_K=K % BK == 0,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=warps, num_stages=stages,
+        )
+        return
     if max(a.stride(1), b.stride(0)) * BK >= 2**31:
         raise ValueError(f"matmul: K-stride {max(a.stride(1), b.stride(0))} too large for int32 "
                          "pointer steps (call .contiguous())")

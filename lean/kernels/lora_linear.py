@@ -32,7 +32,9 @@ least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost ou
 a captured step lowers it to 0) the forward kernel and backward kernel 1 run on
 lora_linear_tma.py's kernels: the rank-R product from a pre-pass, then gemm.py's TMA main loop
 with the same epilogue (0.8-1.0x cuBLAS's base GEMM alone, against 0.75-0.8x with the product
-inside the main loop).
+inside the main loop). Elsewhere (the portable path: RTX, A100, LEAN_PORTABLE=1) 16-bit inputs
+above the same threshold take the same split with pointer loads: xa from lora_xa's pre-pass, then
+_lora_linear_fwd_pre_kernel (gemm.py's persistent x W^T loop and that epilogue).
 
 Deferred dA (lora_linear_bwd with x=None, then lora_linear_bwd_da): a layer that does not keep a
 projection's input (dense.py drops n1, n2, act) runs kernel 1 and the db partials first and the
@@ -52,7 +54,7 @@ Supported: R in 1..128 (padded to a power of two >= 16 for tl.dot); p in [0, 1);
 Tested: tests/test_lora_linear.py: fp32 and fp16 (CPU interpreter), bf16 (H100); N, K, O odd
 (37, 129, 257 ...); R 8 and 16 (64 on the GPU); bias on/off; p 0 and 0.1; accumulation;
 determinism; rejections; the TMA kernels in fp16 under the interpreter (their choice forced) and
-as chosen on the GPU. Timings: tools/gemm_tune.py (numbers beside the configs below).
+as chosen on the GPU; the pointer pre-pass forward in fp16 (interpreter) and bf16 (GPU, portable). Timings: tools/gemm_tune.py (numbers beside the configs below).
 Caution:
   - R not a multiple of 16: the backward runs kernel 1 on zero-padded copies of a and b (rank
     RP). Unpadded, R = 8 gave a wrong dy B on an H100 (Triton 3.6; masked 16-byte B rows) while
@@ -70,9 +72,10 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok
+from lean.kernels.gemm import (FLOATS, gemm_config, grouped_tile, interpret_big, interpret_config, interpreting,
+                               matmul, tma_ok, worth_a_prepass)
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
-from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre
+from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, _n_programs, lora_xa
 from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
 
 
@@ -237,6 +240,51 @@ def _lora_linear_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def _lora_linear_fwd_pre_kernel(
+    y_ptr,                                  # (N, O) out
+    x_ptr, w_ptr, xa_ptr, b_ptr, bias_ptr,  # (N, K) row stride stride_x; (O, K); (N, R) from the pre-pass; (O, R); (O,) or dummy
+    N, K, O, R, stride_x, stride_y, scale, n_programs,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The pointer path's forward with xa from a pre-pass (lora_linear_tma.lora_xa, p = 0, 16-bit):
+    gemm.py's _matmul_kmajor_kernel main loop (a persistent grid, rows and columns past the edges
+    read wrapped, no load mask when BLOCK_K divides K), then _lora_linear_fwd_tma_pre_kernel's
+    epilogue. The fused kernel above pays an N = 16 MMA every K step for xa inside its loop."""
+    rk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_rows = x_ptr + (rm % N).to(tl.int64)[:, None] * stride_x
+        w_rows = w_ptr + (rn % O).to(tl.int64)[None, :] * K           # W^T tile (BLOCK_K, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K:
+                xt = tl.load(x_rows + kk[None, :])
+                wt = tl.load(w_rows + kk[:, None])
+            else:
+                xt = tl.load(x_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                wt = tl.load(w_rows + kk[:, None], mask=(kk < K)[:, None], other=0.0)
+            acc = tl.dot(xt, wt, acc)
+        m_ok, n_ok = rm < N, rn < O
+        xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+        bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+        acc = tl.dot(xs, bt, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
 # Launch configuration, 16-bit inputs, per arch tier (lean/kernels/arch.py); every entry fits its
 # arch's shared memory by the compiler's own measure (tests/test_arch.py, sm_80 ... sm_121).
 # sm90 (H100, tuned). First evidence: tools/gemm_tune.py --sweep, bf16,
@@ -259,6 +307,8 @@ def _lora_linear_bwd_kernel(
 # sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 102,400 / 104,448 B
 #   there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles; 25,600 B a stage at
 #   128x256x32), so 4 stages: 76,800 B forward and backward, 53,248 with dropout.
+# The pointer pre-pass forward (_lora_linear_fwd_pre_kernel) takes gemm.py's x W^T tiles (gemm_config,
+# b_kmajor): its main loop is _matmul_kmajor_kernel's. 128x256x64 on sm_86 at 3 stages: 98,304 B.
 _FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
@@ -318,14 +368,42 @@ def dyb_width(R):
     return _block_r(R)
 
 
-def fwd_prepass(x, w, a, dropout=0.0):
-    """True when lora_linear_fwd computes xa in a pre-pass of its own (the Hopper path, dropout 0):
-    projections that share x may then get their xa from one read of it (lora_linear_tma.lora_xa_shared)
-    and pass xa_ready. An NF4 weight takes that path through its dequantised scratch copy only."""
+def _prepass_path(x, w, a, dropout):
+    """"tma", "pointer" or None: how lora_linear_fwd runs with xa from a pre-pass (dropout 0). The
+    Hopper path where tma_ok; else the pointer path for 16-bit inputs, from the same work threshold
+    (a second launch costs host time: gemm.worth_a_prepass). An NF4 weight takes either through its
+    dequantised scratch copy only."""
+    if dropout != 0.0:
+        return None
     macs = x.shape[0] * x.shape[1] * w.shape[0]
-    if isinstance(w, Nf4):
-        return dropout == 0.0 and not nf4_fused(x.shape[0], x.shape[1], w.shape[0]) and tma_ok(x, a, macs=macs)
-    return dropout == 0.0 and tma_ok(x, w, a, macs=macs)
+    nf4 = isinstance(w, Nf4)
+    if nf4 and nf4_fused(x.shape[0], x.shape[1], w.shape[0]):
+        return None
+    if tma_ok(*((x, a) if nf4 else (x, w, a)), macs=macs):
+        return "tma"
+    return "pointer" if x.dtype in (torch.bfloat16, torch.float16) and worth_a_prepass(macs) else None
+
+
+def fwd_prepass(x, w, a, dropout=0.0):
+    """True when lora_linear_fwd computes xa in a pre-pass of its own (dropout 0, 16-bit, on the
+    Hopper path or the pointer path): projections that share x may then get their xa from one read
+    of it (lora_linear_tma.lora_xa_shared) and pass xa_ready."""
+    return _prepass_path(x, w, a, dropout) is not None
+
+
+def _fwd_ptr_pre(y, xa, x, w, a, b, scale, bias, BR, *, xa_ready=False):
+    """lora_linear_fwd (p = 0, 16-bit) on the pointer path: xa by lora_xa's kernel (unless
+    xa_ready), then _lora_linear_fwd_pre_kernel on gemm.py's x W^T tiles."""
+    (N, K), O, R = x.shape, w.shape[0], a.shape[0]
+    if not xa_ready:
+        lora_xa(xa, x, a)
+    BM, BN, BK, warps, stages = gemm_config(N, O, x.dtype, arch(x.device), b_kmajor=True, K=K)
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
+    _lora_linear_fwd_pre_kernel[(n_programs,)](
+        y, x, w, xa, b, bias if bias is not None else y,
+        N, K, O, R, x.stride(0), y.stride(0), float(scale), n_programs,
+        HAS_BIAS=bias is not None, EVEN_K=K % BK == 0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
 
 
 def _nf4_scratch(w, dtype):
@@ -343,7 +421,7 @@ def _wq_args(w):
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):
     """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written.
     xa_ready: xa already holds drop(x) A^T (a layer rebuilt in backward): the paths that compute
-    it in a pre-pass (dropout, Hopper) skip it; the fused kernel writes it again, the same bits."""
+    it in a pre-pass (dropout, fwd_prepass) skip it; the fused kernel writes it again, the same bits."""
     N, K, O, R = _check_lora(x, w, a, b, dropout, seed)
     check(y, "y", shape=(N, O), dtype=x.dtype, device=x.device, last_contiguous=True)
     check(xa, "xa", shape=(N, R), dtype=x.dtype, device=x.device, contiguous=True)
@@ -364,8 +442,9 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
         _lora_xa_kernel[(triton.cdiv(N, BM),)](
             xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
             BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
-    if fwd_prepass(x, w, a, dropout):
-        _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
+    path = _prepass_path(x, w, a, dropout)
+    if path is not None:
+        (_fwd_tma_pre if path == "tma" else _fwd_ptr_pre)(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
         return
     BM, BN, BK, warps, stages = _fwd_config(N, O, x.dtype, arch(x.device), K)
     grid = (triton.cdiv(N, BM) * triton.cdiv(O, BN),)

@@ -237,18 +237,32 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
 
 @pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
 def test_lora_linear_pointer_prepass(N, K, O, R, with_bias, monkeypatch):
-    """The pointer path's forward with xa from a pre-pass (16-bit, p = 0, where TMA is not taken:
-    _lora_linear_fwd_pre_kernel, a persistent grid walking several tiles, K a multiple of the K step
-    and not) against torch, with its work threshold lowered: on the CPU as the interpreter picks it,
-    on a GPU with the portable path forced. Fails if the kernel did not run."""
+    """The pointer path's kernels with the rank-R product from a pre-pass (16-bit, p = 0, where TMA is
+    not taken): _lora_linear_fwd_pre_kernel (a persistent grid walking several tiles; K a multiple of
+    the K step and not) and _lora_linear_bwd_pre_kernel, dx accumulation included, against torch, with
+    their work threshold lowered: on the CPU as the interpreter picks them, on a GPU with the portable
+    path forced. Fails if either did not run."""
     import lean.kernels.arch as A
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)
     if DEVICE != "cpu":
         monkeypatch.setitem(A._FORCED, "portable", True)
     calls = []
     _spy(monkeypatch, L, "_fwd_ptr_pre", calls)
+    _spy(monkeypatch, L, "_bwd_ptr_pre", calls)
     test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
-    assert calls == ["_fwd_ptr_pre"], f"pointer pre-pass not used: {calls}"
+    assert calls == ["_fwd_ptr_pre", "_bwd_ptr_pre"], f"pointer pre-pass kernels not used: {calls}"
+    g = fresh_generator()
+    x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
+    xa = (x.float() @ a.float().t()).to(LOWP)
+    da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
+    acc = randn(N, K, g=g, dtype=LOWP)                     # dx from an earlier projection
+    prev = acc.clone()
+    lora_linear_bwd(acc, da, db, dy, x, xa, w, a, b, 0.5, accumulate_dx=True)
+    assert calls[-1] == "_bwd_ptr_pre", calls
+    up = lambda t: t.double()  # noqa: E731
+    dx_ref = lora_linear_grads_ref(up(dy), up(x), up(w), up(a), up(b), 0.5)[0]
+    dx_low = lora_linear_grads_ref(dy, x, w, a, b, 0.5)[0]
+    assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
     assert L.fwd_prepass(torch.empty(N, K, device=DEVICE, dtype=LOWP), torch.empty(O, K, device=DEVICE, dtype=LOWP),
                          torch.empty(R, K, device=DEVICE, dtype=LOWP))
     assert not L.fwd_prepass(torch.empty(N, K, device=DEVICE), torch.empty(O, K, device=DEVICE),

@@ -34,7 +34,8 @@ lora_linear_tma.py's kernels: the rank-R product from a pre-pass, then gemm.py's
 with the same epilogue (0.8-1.0x cuBLAS's base GEMM alone, against 0.75-0.8x with the product
 inside the main loop). Elsewhere (the portable path: RTX, A100, LEAN_PORTABLE=1) 16-bit inputs
 above the same threshold take the same split with pointer loads: xa from lora_xa's pre-pass, then
-_lora_linear_fwd_pre_kernel (gemm.py's persistent x W^T loop and that epilogue).
+_lora_linear_fwd_pre_kernel (gemm.py's persistent x W^T loop and that epilogue); dyb from lora_dyb's,
+then _lora_linear_bwd_pre_kernel (gemm.py's dy W loop and that epilogue).
 
 Deferred dA (lora_linear_bwd with x=None, then lora_linear_bwd_da): a layer that does not keep a
 projection's input (dense.py drops n1, n2, act) runs kernel 1 and the db partials first and the
@@ -75,7 +76,7 @@ from lean.kernels.arch import arch
 from lean.kernels.gemm import (FLOATS, gemm_config, grouped_tile, interpret_big, interpret_config, interpreting,
                                matmul, tma_ok, worth_a_prepass)
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
-from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, _n_programs, lora_xa
+from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, _n_programs, lora_dyb, lora_xa
 from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
 
 
@@ -285,6 +286,46 @@ def _lora_linear_fwd_pre_kernel(
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _lora_linear_bwd_pre_kernel(
+    dx_ptr,                                 # (N, K) out (ACCUMULATE: +=), row stride stride_dx
+    dy_ptr, w_ptr, dyb_ptr, a_ptr,          # (N, O) row stride stride_dy; (O, K); (N, R) from the pre-pass; (R, K)
+    N, K, O, R, stride_dx, stride_dy, scale,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The pointer path's backward kernel 1 with dyb from a pre-pass (lora_linear_tma.lora_dyb, p = 0,
+    16-bit): gemm.py's _matmul_kernel main loop for dy W (one program per tile), then
+    _lora_linear_bwd_tma_pre_kernel's epilogue. The fused kernel above pays an N = 16 MMA every O step
+    for dy B inside its loop."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # columns of dx (K)
+    ro = tl.arange(0, BLOCK_O)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok, n_ok, r_ok = rm < N, rn < K, rr < R
+    dy_ptrs = dy_ptr + rm.to(tl.int64)[:, None] * stride_dy + ro[None, :]
+    w_ptrs = w_ptr + ro.to(tl.int64)[:, None] * K + rn[None, :]        # W tile (BLOCK_O, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for o0 in range(0, O, BLOCK_O):
+        o_ok = ro < O - o0
+        dyt = tl.load(dy_ptrs, mask=m_ok[:, None] & o_ok[None, :], other=0.0)
+        wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(dyt, wt, acc)
+        dy_ptrs += BLOCK_O
+        w_ptrs += BLOCK_O * K
+    dyb_lp = tl.load(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+    at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
+    acc = tl.dot(dyb_s, at, acc)
+    dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
+    if ACCUMULATE:
+        acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # Launch configuration, 16-bit inputs, per arch tier (lean/kernels/arch.py); every entry fits its
 # arch's shared memory by the compiler's own measure (tests/test_arch.py, sm_80 ... sm_121).
 # sm90 (H100, tuned). First evidence: tools/gemm_tune.py --sweep, bf16,
@@ -418,6 +459,18 @@ def _wq_args(w):
     return (w.absmax, w.absmax2, w.code2, w.code, w.offset) if isinstance(w, Nf4) else (w,) * 5
 
 
+def _bwd_ptr_pre(dx, dyb, dy, w, a, b, scale, accumulate):
+    """lora_linear_bwd's kernel 1 (p = 0, 16-bit, dx wanted; a, b padded to dyb's rank RP) on the
+    pointer path: dyb by lora_dyb's kernel, then _lora_linear_bwd_pre_kernel on gemm.py's dy W tiles."""
+    (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
+    lora_dyb(dyb, dy, b)
+    BM, BN, BO, warps, stages = gemm_config(N, K, dy.dtype, arch(dy.device), K=O)
+    _lora_linear_bwd_pre_kernel[(triton.cdiv(N, BM) * triton.cdiv(K, BN),)](
+        dx, dy, w, dyb, a, N, K, O, RP, dx.stride(0), dy.stride(0), float(scale),
+        ACCUMULATE=bool(accumulate), BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
+        num_warps=warps, num_stages=stages)
+
+
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):
     """y (N, O) = x W^T + bias + scale * xa B^T and xa (N, R) = drop(x) A^T, both written.
     xa_ready: xa already holds drop(x) A^T (a layer rebuilt in backward): the paths that compute
@@ -499,6 +552,8 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1
     if dx is not None and dropout == 0.0 and not nf4 and tma_ok(dy, w, b, dx, macs=N * K * O):
         _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
+    elif dx is not None and dropout == 0.0 and not nf4 and dt != torch.float32 and worth_a_prepass(N * K * O):
+        _bwd_ptr_pre(dx, dyb, dy, w, a, b, scale, accumulate_dx)
     else:
         wk = w.packed if isinstance(w, Nf4) else w
         nf4_opts = dict(NF4=True, QB=w.blocksize, PTX=ptx()) if nf4 else {}

@@ -206,6 +206,23 @@ def _spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, counted)
 
 
+def _check_dx_accumulated(N, K, O, R):
+    """lora_linear_bwd with accumulate_dx (dx += onto an earlier projection's dx) against the rule:
+    fp64 prev + the exact dx, with torch's own low-precision dx added to prev as the error scale
+    (lean rounds prev + dx once; prev + lean's own dx would round twice)."""
+    g = fresh_generator()
+    x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
+    xa = (x.float() @ a.float().t()).to(LOWP)
+    da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
+    acc = randn(N, K, g=g, dtype=LOWP)                     # dx from an earlier projection
+    prev = acc.clone()
+    lora_linear_bwd(acc, da, db, dy, x, xa, w, a, b, 0.5, accumulate_dx=True)
+    up = lambda t: t.double()  # noqa: E731
+    dx_ref = lora_linear_grads_ref(up(dy), up(x), up(w), up(a), up(b), 0.5)[0]
+    dx_low = lora_linear_grads_ref(dy, x, w, a, b, 0.5)[0]
+    assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
+
+
 @pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
 def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     """The Hopper TMA kernels (chosen on an sm_90 GPU for 16-bit, p = 0, 16-byte aligned rows, big
@@ -220,19 +237,7 @@ def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
     _spy(monkeypatch, L, "_bwd_tma_pre", calls)
     test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
     assert calls == ["_fwd_tma_pre", "_bwd_tma_pre"], f"TMA kernels not used: {calls}"
-    g = fresh_generator()
-    x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
-    xa = (x.float() @ a.float().t()).to(LOWP)
-    da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
-    acc = randn(N, K, g=g, dtype=LOWP)                     # dx from an earlier projection
-    prev = acc.clone()
-    lora_linear_bwd(acc, da, db, dy, x, xa, w, a, b, 0.5, accumulate_dx=True)
-    # the rule against fp64: prev + the exact dx, with torch's own low-precision dx added to prev
-    # as the error scale (lean rounds prev + dx once; prev + lean's own dx would round twice)
-    up = lambda t: t.double()  # noqa: E731
-    dx_ref = lora_linear_grads_ref(up(dy), up(x), up(w), up(a), up(b), 0.5)[0]
-    dx_low = lora_linear_grads_ref(dy, x, w, a, b, 0.5)[0]
-    assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
+    _check_dx_accumulated(N, K, O, R)
 
 
 @pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
@@ -251,18 +256,8 @@ def test_lora_linear_pointer_prepass(N, K, O, R, with_bias, monkeypatch):
     _spy(monkeypatch, L, "_bwd_ptr_pre", calls)
     test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
     assert calls == ["_fwd_ptr_pre", "_bwd_ptr_pre"], f"pointer pre-pass kernels not used: {calls}"
-    g = fresh_generator()
-    x, w, a, b, bias, dy = _problem(N, K, O, R, LOWP, g, False)
-    xa = (x.float() @ a.float().t()).to(LOWP)
-    da, db = torch.zeros(R, K, device=DEVICE), torch.zeros(O, R, device=DEVICE)
-    acc = randn(N, K, g=g, dtype=LOWP)                     # dx from an earlier projection
-    prev = acc.clone()
-    lora_linear_bwd(acc, da, db, dy, x, xa, w, a, b, 0.5, accumulate_dx=True)
+    _check_dx_accumulated(N, K, O, R)
     assert calls[-1] == "_bwd_ptr_pre", calls
-    up = lambda t: t.double()  # noqa: E731
-    dx_ref = lora_linear_grads_ref(up(dy), up(x), up(w), up(a), up(b), 0.5)[0]
-    dx_low = lora_linear_grads_ref(dy, x, w, a, b, 0.5)[0]
-    assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
     assert L.fwd_prepass(torch.empty(N, K, device=DEVICE, dtype=LOWP), torch.empty(O, K, device=DEVICE, dtype=LOWP),
                          torch.empty(R, K, device=DEVICE, dtype=LOWP))
     assert not L.fwd_prepass(torch.empty(N, K, device=DEVICE), torch.empty(O, K, device=DEVICE),

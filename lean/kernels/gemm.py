@@ -74,6 +74,54 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """The fp32 (BLOCK_M, BLOCK_N) tile a[rm, :] @ b[:, rn] of a (M, K) @ b (K, N), strided views:
+    _matmul_kernel's main loop (pointers advanced each K step, edges masked). Shared with
+    lora_linear.py's backward kernel on a pre-pass."""
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # int64 row/column offsets: M * stride can pass 2^31 (e.g. 8192 tokens x 151936 logits).
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def dot_tile_kmajor(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_bn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """dot_tile for a and b both K-contiguous (x W^T: a row-major, b = w.t()), the form
+    _matmul_kmajor_kernel's persistent loop wants: each K step's pointers computed afresh, rows and
+    columns past the edges read wrapped (row M reads row 0; the caller never stores them), so no
+    load carries an M or N mask and, when BLOCK_K divides K (EVEN_K), no mask at all. Unit K strides
+    keep the int32 K offsets from overflowing. Shared with lora_linear.py's forward on a pre-pass."""
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am   # int64: M * stride can pass 2^31
+    b_cols = b_ptr + (rn % N).to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :])
+            b = tl.load(b_cols + kk[:, None])
+        else:
+            a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            b = tl.load(b_cols + kk[:, None], mask=(kk < K)[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _matmul_kernel(
     c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
     a_ptr, b_ptr, bias_ptr,                 # (M, K), (K, N) strided views; bias (N,) or dummy
@@ -87,21 +135,10 @@ def _matmul_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    # int64 row/column offsets: M * stride can pass 2^31 (e.g. 8192 tokens x 151936 logits).
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 
     acc = acc * alpha
     if HAS_BIAS:
@@ -118,37 +155,23 @@ def _matmul_kmajor_kernel(
     c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
     a_ptr, b_ptr, bias_ptr,                 # (M, K), (K, N) views, both K-contiguous (x W^T); bias or dummy
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    stride_am, stride_bn, stride_cm,        # a's row stride, b's column stride (w's row stride), c's
     alpha, n_programs,
     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """_matmul_kernel for the pointer path's x W^T (b K-contiguous): a persistent grid of
-    n_programs walking the tiles in grouped order, each K step's pointers computed afresh, and rows
-    and columns past the edges read wrapped (row M reads row 0; their products are never stored),
-    so no load carries an M or N mask and, when BLOCK_K divides K (EVEN_K), no mask at all. Same
-    epilogue. The launcher sends unit K strides only (row-major a), so the int32 K offsets cannot
-    overflow. Why this shape: in the per-tile form with pointer increments ptxas serialises the
+    """_matmul_kernel for the pointer path's x W^T (a and b K-contiguous): a persistent grid of
+    n_programs walking the tiles in grouped order, each tile's main loop dot_tile_kmajor's; the same
+    epilogue. Why this shape: in the per-tile form with pointer increments ptxas serialises the
     128x256 wgmmas of this layout (C7515) on sm_90; this loop nest compiles without it (speed below)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tiles, n_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_rows = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am   # int64: M * stride can pass 2^31
-        b_cols = b_ptr + (rn % N).to(tl.int64)[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            if EVEN_K:
-                a = tl.load(a_rows + kk[None, :] * stride_ak)
-                b = tl.load(b_cols + kk[:, None] * stride_bk)
-            else:
-                a = tl.load(a_rows + kk[None, :] * stride_ak, mask=(kk < K)[None, :], other=0.0)
-                b = tl.load(b_cols + kk[:, None] * stride_bk, mask=(kk < K)[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = dot_tile_kmajor(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_bn,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
 
         acc = acc * alpha
         n_ok = rn < N
@@ -382,7 +405,7 @@ def matmul(c, a, b, *, bias=None, accumulate=False, alpha=1.0):
         _matmul_kmajor_kernel[(n_programs,)](
             c, a, b, bias if bias is not None else c,
             M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+            a.stride(0), b.stride(1), c.stride(0),
             float(alpha), n_programs,
             HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate), EVEN_K=K % BK == 0,
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,

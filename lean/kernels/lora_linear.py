@@ -73,8 +73,8 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import (FLOATS, gemm_config, grouped_tile, interpret_big, interpret_config, interpreting,
-                               matmul, tma_ok, worth_a_prepass)
+from lean.kernels.gemm import (FLOATS, dot_tile, dot_tile_kmajor, gemm_config, grouped_tile, interpret_big,
+                               interpret_config, interpreting, matmul, tma_ok, worth_a_prepass)
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, _n_programs, lora_dyb, lora_xa
 from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
@@ -254,7 +254,6 @@ def _lora_linear_fwd_pre_kernel(
     gemm.py's _matmul_kmajor_kernel main loop (a persistent grid, rows and columns past the edges
     read wrapped, no load mask when BLOCK_K divides K), then _lora_linear_fwd_tma_pre_kernel's
     epilogue. The fused kernel above pays an N = 16 MMA every K step for xa inside its loop."""
-    rk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
@@ -262,18 +261,8 @@ def _lora_linear_fwd_pre_kernel(
         pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x_rows = x_ptr + (rm % N).to(tl.int64)[:, None] * stride_x
-        w_rows = w_ptr + (rn % O).to(tl.int64)[None, :] * K           # W^T tile (BLOCK_K, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            if EVEN_K:
-                xt = tl.load(x_rows + kk[None, :])
-                wt = tl.load(w_rows + kk[:, None])
-            else:
-                xt = tl.load(x_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-                wt = tl.load(w_rows + kk[:, None], mask=(kk < K)[:, None], other=0.0)
-            acc = tl.dot(xt, wt, acc)
+        acc = dot_tile_kmajor(x_ptr, w_ptr, rm, rn, N, O, K, stride_x, K,      # b = W^T: column stride K
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, "tf32")
         m_ok, n_ok = rm < N, rn < O
         xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
                         other=0.0)
@@ -302,19 +291,10 @@ def _lora_linear_bwd_pre_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # columns of dx (K)
-    ro = tl.arange(0, BLOCK_O)
     rr = tl.arange(0, BLOCK_R)
     m_ok, n_ok, r_ok = rm < N, rn < K, rr < R
-    dy_ptrs = dy_ptr + rm.to(tl.int64)[:, None] * stride_dy + ro[None, :]
-    w_ptrs = w_ptr + ro.to(tl.int64)[:, None] * K + rn[None, :]        # W tile (BLOCK_O, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for o0 in range(0, O, BLOCK_O):
-        o_ok = ro < O - o0
-        dyt = tl.load(dy_ptrs, mask=m_ok[:, None] & o_ok[None, :], other=0.0)
-        wt = tl.load(w_ptrs, mask=o_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(dyt, wt, acc)
-        dy_ptrs += BLOCK_O
-        w_ptrs += BLOCK_O * K
+    acc = dot_tile(dy_ptr, w_ptr, rm, rn, N, K, O, stride_dy, 1, K, 1,  # dy (N, O) @ W (O, K)
+                   BLOCK_M, BLOCK_N, BLOCK_O, "tf32")
     dyb_lp = tl.load(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
                      other=0.0)
     at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)

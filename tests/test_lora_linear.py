@@ -223,45 +223,37 @@ def _check_dx_accumulated(N, K, O, R):
     assert_close_rule(acc, prev.double() + dx_ref, (prev.float() + dx_low.float()).to(LOWP), name="dx accumulated")
 
 
+@pytest.mark.parametrize("path", ["tma", "pointer"])
 @pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
-def test_lora_linear_tma_kernels(N, K, O, R, with_bias, monkeypatch):
-    """The Hopper TMA kernels (chosen on an sm_90 GPU for 16-bit, p = 0, 16-byte aligned rows, big
-    enough problems) against torch, dx accumulation included: on the CPU through the interpreter with the choice
-    forced, on the GPU as chosen. Fails if either TMA kernel did not run."""
-    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
-    hopper_path(monkeypatch)
-    if DEVICE == "cpu":
-        monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
-    calls = []
-    _spy(monkeypatch, L, "_fwd_tma_pre", calls)
-    _spy(monkeypatch, L, "_bwd_tma_pre", calls)
-    test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
-    assert calls == ["_fwd_tma_pre", "_bwd_tma_pre"], f"TMA kernels not used: {calls}"
-    _check_dx_accumulated(N, K, O, R)
-
-
-@pytest.mark.parametrize("N,K,O,R,with_bias", [(200, 64, 272, 8, True), (67, 136, 40, 16, False)])
-def test_lora_linear_pointer_prepass(N, K, O, R, with_bias, monkeypatch):
-    """The pointer path's kernels with the rank-R product from a pre-pass (16-bit, p = 0, where TMA is
-    not taken): _lora_linear_fwd_pre_kernel (a persistent grid walking several tiles; K a multiple of
-    the K step and not) and _lora_linear_bwd_pre_kernel, dx accumulation included, against torch, with
-    their work threshold lowered: on the CPU as the interpreter picks them, on a GPU with the portable
-    path forced. Fails if either did not run."""
+def test_lora_linear_prepass_kernels(path, N, K, O, R, with_bias, monkeypatch):
+    """The kernels with the rank-R product from a pre-pass (16-bit, p = 0, big enough problems; here
+    the work threshold is lowered), forward and backward kernel 1, dx accumulation included, against
+    torch. "tma": the Hopper path's (an sm_90 GPU with 16-byte aligned rows; on the CPU through the
+    interpreter with the choice forced). "pointer": the pointer path's, where TMA is not taken
+    (_lora_linear_fwd_pre_kernel, a persistent grid walking several tiles, K a multiple of the K step
+    and not; _lora_linear_bwd_pre_kernel): on the CPU as the interpreter picks them, on a GPU with the
+    portable path forced. Fails if either kernel of the path did not run."""
     import lean.kernels.arch as A
-    monkeypatch.setitem(G._TMA_MIN, "macs", 0)
-    if DEVICE != "cpu":
+    monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok and the pointer path read the threshold in force
+    if path == "tma":
+        hopper_path(monkeypatch)
+        if DEVICE == "cpu":
+            monkeypatch.setattr(L, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    elif DEVICE != "cpu":
         monkeypatch.setitem(A._FORCED, "portable", True)
+    names = ["_fwd_tma_pre", "_bwd_tma_pre"] if path == "tma" else ["_fwd_ptr_pre", "_bwd_ptr_pre"]
     calls = []
-    _spy(monkeypatch, L, "_fwd_ptr_pre", calls)
-    _spy(monkeypatch, L, "_bwd_ptr_pre", calls)
+    for name in names:
+        _spy(monkeypatch, L, name, calls)
     test_lora_linear_fwd_bwd(N, K, O, R, with_bias, 0.0, LOWP)
-    assert calls == ["_fwd_ptr_pre", "_bwd_ptr_pre"], f"pointer pre-pass kernels not used: {calls}"
+    assert calls == names, f"{path} pre-pass kernels not used: {calls}"
     _check_dx_accumulated(N, K, O, R)
-    assert calls[-1] == "_bwd_ptr_pre", calls
-    assert L.fwd_prepass(torch.empty(N, K, device=DEVICE, dtype=LOWP), torch.empty(O, K, device=DEVICE, dtype=LOWP),
-                         torch.empty(R, K, device=DEVICE, dtype=LOWP))
-    assert not L.fwd_prepass(torch.empty(N, K, device=DEVICE), torch.empty(O, K, device=DEVICE),
-                             torch.empty(R, K, device=DEVICE))   # fp32: the fused kernel
+    assert calls[-1] == names[1], calls
+    if path == "pointer":  # fwd_prepass (dense.py's cue to share xa) agrees; fp32 keeps the fused kernel
+        t = lambda *shape, dtype=LOWP: torch.empty(*shape, device=DEVICE, dtype=dtype)  # noqa: E731
+        assert L.fwd_prepass(t(N, K), t(O, K), t(R, K))
+        assert not L.fwd_prepass(t(N, K, dtype=torch.float32), t(O, K, dtype=torch.float32),
+                                 t(R, K, dtype=torch.float32))
 
 
 def test_lora_linear_rejects_bad_arguments():

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lean
 import lean.kernels.arch as A
-from lean.kernels import attention, gemm, gemm_splitk, lora_linear_tma
+from lean.kernels import attention, gemm, gemm_splitk, lora_linear_pre
 from lean.kernels.gemm import tma_at_every_size
 from lean.models.config import config_from_hf
 from lean.models.weights import empty_model
@@ -175,7 +175,7 @@ def test_step_takes_the_arch_tables_path(portable, monkeypatch):
     exactly when the arch table says the GPU takes the Hopper path: none under portable() (the code
     an RTX card runs), some on an H100 otherwise."""
     made = []
-    for mod in (gemm, gemm_splitk, lora_linear_tma, attention):
+    for mod in (gemm, gemm_splitk, lora_linear_pre, attention):
         real = mod.tma_desc
         monkeypatch.setattr(mod, "tma_desc", lambda t, block, real=real: made.append(1) or real(t, block))
     cfg = dict(QWEN3_06B, num_hidden_layers=2)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lean.kernels.gemm as G  # noqa: E402
-import lean.kernels.lora_linear_tma as LT  # noqa: E402
+import lean.kernels.lora_linear_pre as LT  # noqa: E402
 from lean.kernels.gemm import GROUP_M, grouped_tile, tma_desc  # noqa: E402
 
 N_TOKENS, RANK, SCALE = 8192, 16, 2.0

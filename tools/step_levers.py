@@ -32,7 +32,7 @@ import lean.kernels.gemm_splitk as SK  # noqa: E402
 import lean.kernels.linear_ce as CE  # noqa: E402
 import lean.kernels.lora_grad as LG  # noqa: E402
 import lean.kernels.lora_linear as L  # noqa: E402
-import lean.kernels.lora_linear_tma as LT  # noqa: E402
+import lean.kernels.lora_linear_pre as LT  # noqa: E402
 from lean.kernels.gemm import grouped_tile  # noqa: E402
 
 SHAPES = [  # (K, O, name)

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from ..kernels import adamw, gemm, linear_ce, lora_linear, lora_linear_tma
+from ..kernels import adamw, gemm, linear_ce, lora_linear, lora_linear_pre
 from ..kernels.arch import arch
 from ..kernels.gemm_splitk import splitk_count
 from ..reference.adamw import AdamWRef
@@ -75,7 +75,7 @@ def projection_groups(cfg):
 
 
 def check_lora_linear(case, report):
-    """Every projection's fused LoRA forward and backward (lora_linear.py, lora_linear_tma.py)."""
+    """Every projection's fused LoRA forward and backward (lora_linear.py, lora_linear_pre.py)."""
     for tag, path in gemm_paths():
         with path():
             for group, K, targets, kept in projection_groups(case.cfg):
@@ -94,7 +94,7 @@ def _lora_group(case, report, tag, group, K, targets, kept):
     poison(*y.values(), *xa.values())
     shared = [t for t in p if lora_linear.fwd_prepass(x, p[t][0], p[t][1])]
     if len(shared) > 1:  # dense.proj_xa_shared: one read of x for the group's xa
-        lora_linear_tma.lora_xa_shared([xa[t] for t in shared], x, [p[t][1] for t in shared])
+        lora_linear_pre.lora_xa_shared([xa[t] for t in shared], x, [p[t][1] for t in shared])
     for t, (w, a, b, bias, _) in p.items():
         lora_linear.lora_linear_fwd(y[t], xa[t], x, w, a, b, scale, bias=bias, xa_ready=len(shared) > 1 and t in shared)
 

@@ -30,7 +30,7 @@ Backward (the forward read bottom-up; dy B is the gradient flowing into xa):
 Hopper: with p = 0, 16-bit TMA-describable inputs (16-byte aligned bases and row strides) and at
 least gemm.TMA_MIN_MACS multiply-adds (N K O; below it the launch's host cost outweighs the gain;
 a captured step lowers it to 0) the forward kernel and backward kernel 1 run on
-lora_linear_tma.py's kernels: the rank-R product from a pre-pass, then gemm.py's TMA main loop
+lora_linear_pre.py's kernels: the rank-R product from a pre-pass, then gemm.py's TMA main loop
 with the same epilogue (0.8-1.0x cuBLAS's base GEMM alone, against 0.75-0.8x with the product
 inside the main loop). Elsewhere (the portable path: RTX, A100, LEAN_PORTABLE=1) 16-bit inputs
 above the same threshold take the same split with pointer loads: xa from lora_xa's pre-pass, then
@@ -73,10 +73,10 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import (FLOATS, dot_tile, dot_tile_kmajor, gemm_config, grouped_tile, interpret_big,
-                               interpret_config, interpreting, matmul, tma_ok, worth_a_prepass)
+from lean.kernels.gemm import (FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok,
+                               worth_a_prepass)
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
-from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, _n_programs, lora_dyb, lora_xa
+from lean.kernels.lora_linear_pre import _bwd_ptr_pre, _bwd_tma_pre, _fwd_ptr_pre, _fwd_tma_pre
 from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
 
 
@@ -241,71 +241,6 @@ def _lora_linear_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def _lora_linear_fwd_pre_kernel(
-    y_ptr,                                  # (N, O) out
-    x_ptr, w_ptr, xa_ptr, b_ptr, bias_ptr,  # (N, K) row stride stride_x; (O, K); (N, R) from the pre-pass; (O, R); (O,) or dummy
-    N, K, O, R, stride_x, stride_y, scale, n_programs,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """The pointer path's forward with xa from a pre-pass (lora_linear_tma.lora_xa, p = 0, 16-bit):
-    gemm.py's _matmul_kmajor_kernel main loop (a persistent grid, rows and columns past the edges
-    read wrapped, no load mask when BLOCK_K divides K), then _lora_linear_fwd_tma_pre_kernel's
-    epilogue. The fused kernel above pays an N = 16 MMA every K step for xa inside its loop."""
-    rr = tl.arange(0, BLOCK_R)
-    r_ok = rr < R
-    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, n_programs):
-        pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = dot_tile_kmajor(x_ptr, w_ptr, rm, rn, N, O, K, stride_x, K,      # b = W^T: column stride K
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, "tf32")
-        m_ok, n_ok = rm < N, rn < O
-        xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
-                        other=0.0)
-        bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
-        acc = tl.dot(xs, bt, acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _lora_linear_bwd_pre_kernel(
-    dx_ptr,                                 # (N, K) out (ACCUMULATE: +=), row stride stride_dx
-    dy_ptr, w_ptr, dyb_ptr, a_ptr,          # (N, O) row stride stride_dy; (O, K); (N, R) from the pre-pass; (R, K)
-    N, K, O, R, stride_dx, stride_dy, scale,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """The pointer path's backward kernel 1 with dyb from a pre-pass (lora_linear_tma.lora_dyb, p = 0,
-    16-bit): gemm.py's _matmul_kernel main loop for dy W (one program per tile), then
-    _lora_linear_bwd_tma_pre_kernel's epilogue. The fused kernel above pays an N = 16 MMA every O step
-    for dy B inside its loop."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # columns of dx (K)
-    rr = tl.arange(0, BLOCK_R)
-    m_ok, n_ok, r_ok = rm < N, rn < K, rr < R
-    acc = dot_tile(dy_ptr, w_ptr, rm, rn, N, K, O, stride_dy, 1, K, 1,  # dy (N, O) @ W (O, K)
-                   BLOCK_M, BLOCK_N, BLOCK_O, "tf32")
-    dyb_lp = tl.load(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
-                     other=0.0)
-    at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-    dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
-    acc = tl.dot(dyb_s, at, acc)
-    dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
-    if ACCUMULATE:
-        acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
 # Launch configuration, 16-bit inputs, per arch tier (lean/kernels/arch.py); every entry fits its
 # arch's shared memory by the compiler's own measure (tests/test_arch.py, sm_80 ... sm_121).
 # sm90 (H100, tuned). First evidence: tools/gemm_tune.py --sweep, bf16,
@@ -322,14 +257,12 @@ def _lora_linear_bwd_pre_kernel(
 #   configs: 128x256x32 w8 s5 fastest on 8 of 9 forward shapes (Llama gate/up 500 us vs 559 at the
 #   earlier 128x256x64 s4, down 470 vs 519, Qwen3 q 72 vs 81) and within 4% or first on every
 #   backward shape (Qwen3 q 222 us vs 392 at 128x256x64 s3, down 206 vs 354, Llama gate/up 518 vs
-#   612, k/v 201 vs 325). The Hopper path's TMA kernels (lora_linear_tma.py) are unchanged.
+#   612, k/v 201 vs 325). The Hopper path's TMA kernels (lora_linear_pre.py) are unchanged.
 # sm80 (A100, 166,912 B): the sm90 tiles (102,400 B forward and backward: mma.sync keeps
 #   num_stages - 1 buffers; dropout 104,448); untuned.
 # sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 102,400 / 104,448 B
 #   there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles; 25,600 B a stage at
 #   128x256x32), so 4 stages: 76,800 B forward and backward, 53,248 with dropout.
-# The pointer pre-pass forward (_lora_linear_fwd_pre_kernel) takes gemm.py's x W^T tiles (gemm_config,
-# b_kmajor): its main loop is _matmul_kmajor_kernel's. 128x256x64 on sm_86 at 3 stages: 98,304 B.
 _FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
 _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
@@ -408,23 +341,8 @@ def _prepass_path(x, w, a, dropout):
 def fwd_prepass(x, w, a, dropout=0.0):
     """True when lora_linear_fwd computes xa in a pre-pass of its own (dropout 0, 16-bit, on the
     Hopper path or the pointer path): projections that share x may then get their xa from one read
-    of it (lora_linear_tma.lora_xa_shared) and pass xa_ready."""
+    of it (lora_linear_pre.lora_xa_shared) and pass xa_ready."""
     return _prepass_path(x, w, a, dropout) is not None
-
-
-def _fwd_ptr_pre(y, xa, x, w, a, b, scale, bias, BR, *, xa_ready=False):
-    """lora_linear_fwd (p = 0, 16-bit) on the pointer path: xa by lora_xa's kernel (unless
-    xa_ready), then _lora_linear_fwd_pre_kernel on gemm.py's x W^T tiles."""
-    (N, K), O, R = x.shape, w.shape[0], a.shape[0]
-    if not xa_ready:
-        lora_xa(xa, x, a)
-    BM, BN, BK, warps, stages = gemm_config(N, O, x.dtype, arch(x.device), b_kmajor=True, K=K)
-    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
-    _lora_linear_fwd_pre_kernel[(n_programs,)](
-        y, x, w, xa, b, bias if bias is not None else y,
-        N, K, O, R, x.stride(0), y.stride(0), float(scale), n_programs,
-        HAS_BIAS=bias is not None, EVEN_K=K % BK == 0,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
 
 
 def _nf4_scratch(w, dtype):
@@ -437,18 +355,6 @@ def _nf4_scratch(w, dtype):
 def _wq_args(w):
     """The five NF4 table pointers of the pointer kernels: w's, or dummies (NF4=False)."""
     return (w.absmax, w.absmax2, w.code2, w.code, w.offset) if isinstance(w, Nf4) else (w,) * 5
-
-
-def _bwd_ptr_pre(dx, dyb, dy, w, a, b, scale, accumulate):
-    """lora_linear_bwd's kernel 1 (p = 0, 16-bit, dx wanted; a, b padded to dyb's rank RP) on the
-    pointer path: dyb by lora_dyb's kernel, then _lora_linear_bwd_pre_kernel on gemm.py's dy W tiles."""
-    (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
-    lora_dyb(dyb, dy, b)
-    BM, BN, BO, warps, stages = gemm_config(N, K, dy.dtype, arch(dy.device), K=O)
-    _lora_linear_bwd_pre_kernel[(triton.cdiv(N, BM) * triton.cdiv(K, BN),)](
-        dx, dy, w, dyb, a, N, K, O, RP, dx.stride(0), dy.stride(0), float(scale),
-        ACCUMULATE=bool(accumulate), BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
-        num_warps=warps, num_stages=stages)
 
 
 def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0, xa_ready=False):

@@ -47,7 +47,7 @@ from ..kernels.attention import attention_bwd, attention_fwd
 from ..kernels.lora_linear import (
     dyb_width, fwd_prepass, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da, lora_linear_fwd,
 )
-from ..kernels.lora_linear_tma import lora_xa_shared
+from ..kernels.lora_linear_pre import lora_xa_shared
 from ..kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd

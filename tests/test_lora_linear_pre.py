@@ -1,4 +1,4 @@
-"""lean/kernels/lora_linear_tma.py: the rank-R pre-pass (lora_xa, lora_dyb) and the pre-pass TMA
+"""lean/kernels/lora_linear_pre.py: the rank-R pre-pass (lora_xa, lora_dyb) and the pre-pass TMA
 kernels (_fwd_tma_pre, _bwd_tma_pre) against plain torch. TMA descriptor loads run under the
 interpreter too, so on the CPU the launchers are called directly (lora_linear picks its TMA
 kernels only on a Hopper GPU); the interpreter's persistent grid is 3 programs, so each walks
@@ -6,7 +6,7 @@ several tiles as on the GPU."""
 import pytest
 import torch
 
-from lean.kernels.lora_linear_tma import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa, lora_xa_shared
+from lean.kernels.lora_linear_pre import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa, lora_xa_shared
 from lean.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.test_lora_linear import _problem
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn

@@ -1,17 +1,23 @@
-"""The fused LoRA linear's Hopper path: persistent TMA kernels for lora_linear.py (p = 0).
+"""The fused LoRA linear with its rank-R product from a pre-pass, for lora_linear.py (p = 0, 16-bit):
+the Hopper path's persistent TMA kernels and the pointer path's kernels, side by side.
 
 Shape legend: N tokens in the packed batch, K input features, O output features, R LoRA rank,
 RP the rank padded to a power of two >= 16 (lora_linear_bwd's zero-padded copies of a and b).
 
-Same math, shapes and rounding as lean/kernels/lora_linear.py's pointer kernels (see its
+Same math, shapes and rounding as lean/kernels/lora_linear.py's fused kernels (see its
 docstring): forward y = x W^T + bias + scale * xa B^T with xa = x A^T written; backward kernel 1
 dx (=, or +=) dy W + scale * dyb A with dyb = dy B written. The rank-R product comes first, from
 a skinny memory-bound kernel (_lora_lowrank_kernel: lora_xa / lora_dyb, one read of x or dy);
-then the GEMM's main loop is exactly gemm.py's _matmul_tma_kernel loop (x and W tiles by TMA
-descriptors, one persistent program per SM walking grouped tiles) and its epilogue reads the
-(BLOCK_M, BLOCK_R) xa / dyb tile with pointers and adds its product with the B^T (A) tile.
-(Inside the main loop, as the pointer kernels do it, the rank-R product costs an N = 16 wgmma
-every K step and 10-20% of the GEMM's speed on an H100: the numbers are beside _TMA_PRE.)
+then the GEMM's main loop is exactly one of gemm.py's and its epilogue reads the (BLOCK_M,
+BLOCK_R) xa / dyb tile with pointers and adds its product with the B^T (A) tile:
+  - Hopper (_lora_linear_fwd_tma_pre_kernel, _lora_linear_bwd_tma_pre_kernel): _matmul_tma_kernel's
+    loop (x and W tiles by TMA descriptors, one persistent program per SM walking grouped tiles);
+  - pointer (_lora_linear_fwd_pre_kernel, _lora_linear_bwd_pre_kernel): gemm.dot_tile_kmajor (a
+    persistent grid, _matmul_kmajor_kernel's x W^T loop) and gemm.dot_tile (one program per tile,
+    _matmul_kernel's dy W loop).
+(Inside the main loop, as the fused kernels do it, the rank-R product costs an N = 16 wgmma
+every K step and 10-20% of the GEMM's speed on an H100: the numbers are beside _TMA_PRE and in
+BENCHMARKS.md, "Every GPU".)
 
 Rounding: the rank-R product accumulates in fp32 and is rounded once to x's (dy's) dtype (the
 stored xa / dyb); the epilogue multiplies that by scale in fp32, rounds again (exact for
@@ -21,15 +27,18 @@ power-of-two scales) and adds its product into the GEMM's fp32 accumulator; one 
     lora_xa(xa, x, a):    xa  (N, R)  = x (N, K) A^T,  a (R, K);  x's dtype, fp32 accumulation
     lora_dyb(dyb, dy, b): dyb (N, RP) = dy (N, O) B,   b (O, RP); dy's dtype, fp32 accumulation
 
-lora_linear picks these kernels when dropout is 0, the inputs are TMA-describable (16-byte
-aligned bases and row strides) and the GEMM has at least gemm.TMA_MIN_MACS multiply-adds (each
-descriptor costs ~45 us of host time; a captured step lowers the threshold to 0:
-gemm.tma_at_every_size). Nothing is saved here beyond xa (the forward's output).
+lora_linear picks these kernels when dropout is 0 and the GEMM has at least gemm.TMA_MIN_MACS
+multiply-adds (a TMA descriptor costs ~45 us of host time, a pre-pass one more launch; a captured
+step lowers the threshold to 0: gemm.tma_at_every_size): the TMA kernels where the inputs are
+TMA-describable (16-byte aligned bases and row strides) on an arch that takes TMA, the pointer
+kernels for other 16-bit inputs. Nothing is saved here beyond xa (the forward's output).
 Supported: the TMA kernels take 16-bit inputs on a GPU (fp32 runs IEEE products on small tiles: a
-test path); R (RP) 1..128; any N, K, O with 16-byte rows. lora_xa / lora_dyb: any float dtype.
-Tested: tests/test_lora_linear_tma.py (lora_xa, lora_dyb and the two GEMMs: fp32 and fp16 under the
+test path), the pointer kernels 16-bit; R (RP) 1..128; any N, K, O (TMA: with 16-byte rows).
+lora_xa / lora_dyb: any float dtype.
+Tested: tests/test_lora_linear_pre.py (lora_xa, lora_dyb and the two GEMMs: fp32 and fp16 under the
 interpreter with odd sizes, bias, accumulate, rank 5, 8 and 16; bf16 on the H100 at N = 8192
-sizes); tests/test_lora_linear.py::test_lora_linear_tma_kernels (as lora_linear picks them).
+sizes); tests/test_lora_linear.py::test_lora_linear_prepass_kernels (both paths, as lora_linear
+picks them).
 Speed: tools/lora_bench.py (H100, bf16, against cuBLAS).
 Caution:
   - R = 8: the forward's epilogue loads xa's 16-byte rows masked to (BLOCK_M, 16), the pattern that
@@ -47,7 +56,8 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile, interpret_config, interpreting, tma_desc
+from lean.kernels.gemm import (FLOATS, GROUP_M, dot_tile, dot_tile_kmajor, gemm_config, grouped_tile, interpret_config,
+                               interpreting, tma_desc)
 
 
 @triton.jit
@@ -158,6 +168,71 @@ def _lora_linear_bwd_tma_pre_kernel(
         dx_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(dx_desc.dtype))
 
 
+@triton.jit
+def _lora_linear_fwd_pre_kernel(
+    y_ptr,                                  # (N, O) out
+    x_ptr, w_ptr, xa_ptr, b_ptr, bias_ptr,  # (N, K) row stride stride_x; (O, K); (N, R) from the pre-pass; (O, R); (O,) or dummy
+    N, K, O, R, stride_x, stride_y, scale, n_programs,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The pointer path's forward with xa from a pre-pass (lora_linear_pre.lora_xa, p = 0, 16-bit):
+    gemm.py's _matmul_kmajor_kernel main loop (a persistent grid, rows and columns past the edges
+    read wrapped, no load mask when BLOCK_K divides K), then _lora_linear_fwd_tma_pre_kernel's
+    epilogue. The fused kernel above pays an N = 16 MMA every K step for xa inside its loop."""
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+        pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = dot_tile_kmajor(x_ptr, w_ptr, rm, rn, N, O, K, stride_x, K,      # b = W^T: column stride K
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, "tf32")
+        m_ok, n_ok = rm < N, rn < O
+        xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+        bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+        acc = tl.dot(xs, bt, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_linear_bwd_pre_kernel(
+    dx_ptr,                                 # (N, K) out (ACCUMULATE: +=), row stride stride_dx
+    dy_ptr, w_ptr, dyb_ptr, a_ptr,          # (N, O) row stride stride_dy; (O, K); (N, R) from the pre-pass; (R, K)
+    N, K, O, R, stride_dx, stride_dy, scale,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The pointer path's backward kernel 1 with dyb from a pre-pass (lora_linear_pre.lora_dyb, p = 0,
+    16-bit): gemm.py's _matmul_kernel main loop for dy W (one program per tile), then
+    _lora_linear_bwd_tma_pre_kernel's epilogue. The fused kernel above pays an N = 16 MMA every O step
+    for dy B inside its loop."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, K, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # columns of dx (K)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok, n_ok, r_ok = rm < N, rn < K, rr < R
+    acc = dot_tile(dy_ptr, w_ptr, rm, rn, N, K, O, stride_dy, 1, K, 1,  # dy (N, O) @ W (O, K)
+                   BLOCK_M, BLOCK_N, BLOCK_O, "tf32")
+    dyb_lp = tl.load(dyb_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+    at = tl.load(a_ptr + rr[:, None] * K + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    dyb_s = (dyb_lp.to(tl.float32) * scale).to(dyb_lp.dtype)
+    acc = tl.dot(dyb_s, at, acc)
+    dx_ptrs = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
+    if ACCUMULATE:
+        acc += tl.load(dx_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch configurations (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit, H100.
 # tools/lora_bench.py, H100, bf16, N = 8192, R = 16, CUDA-graph medians, whole ops (pre-pass
@@ -169,6 +244,9 @@ def _lora_linear_bwd_tma_pre_kernel(
 # of after it: within noise (+-4%, both signs). s4 within 3% of s3.
 _TMA_PRE = (128, 256, 64, 8, 3)
 _TMA_PRE_FP32 = (64, 64, 32, 4, 2)      # fp32 test path (IEEE products): untuned
+# The pointer kernels take gemm.py's tiles (gemm_config), whose main loops they share: the forward
+# _matmul_kmajor_kernel's x W^T tile, the backward _matmul_kernel's dy W tile (128x256x64, 3 stages
+# on sm_86: 98,304 B; H100 numbers in BENCHMARKS.md, "Every GPU").
 # lora_xa / lora_dyb (BLOCK_M, BLOCK_K, num_warps, num_stages): untuned. Memory-bound: 64 rows a
 # program gives 128 programs at N = 8192 (one wave on 132 SMs) with 4 stages of 16 KB x tiles in
 # flight each (cp.async, 16-byte vectors); smaller N: 32 or 16 rows, >= 116 programs where N allows.
@@ -279,3 +357,30 @@ def _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate, *, config=None):
         N, K, O, RP, float(scale), n_programs,
         ACCUMULATE=bool(accumulate), PRECISION="ieee" if dy.dtype == torch.float32 else "tf32",
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+
+
+def _fwd_ptr_pre(y, xa, x, w, a, b, scale, bias, BR, *, xa_ready=False):
+    """lora_linear_fwd (p = 0, 16-bit) on the pointer path: xa by lora_xa's kernel (unless
+    xa_ready), then _lora_linear_fwd_pre_kernel on gemm.py's x W^T tiles."""
+    (N, K), O, R = x.shape, w.shape[0], a.shape[0]
+    if not xa_ready:
+        lora_xa(xa, x, a)
+    BM, BN, BK, warps, stages = gemm_config(N, O, x.dtype, arch(x.device), b_kmajor=True, K=K)
+    n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
+    _lora_linear_fwd_pre_kernel[(n_programs,)](
+        y, x, w, xa, b, bias if bias is not None else y,
+        N, K, O, R, x.stride(0), y.stride(0), float(scale), n_programs,
+        HAS_BIAS=bias is not None, EVEN_K=K % BK == 0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+
+
+def _bwd_ptr_pre(dx, dyb, dy, w, a, b, scale, accumulate):
+    """lora_linear_bwd's kernel 1 (p = 0, 16-bit, dx wanted; a, b padded to dyb's rank RP) on the
+    pointer path: dyb by lora_dyb's kernel, then _lora_linear_bwd_pre_kernel on gemm.py's dy W tiles."""
+    (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
+    lora_dyb(dyb, dy, b)
+    BM, BN, BO, warps, stages = gemm_config(N, K, dy.dtype, arch(dy.device), K=O)
+    _lora_linear_bwd_pre_kernel[(triton.cdiv(N, BM) * triton.cdiv(K, BN),)](
+        dx, dy, w, dyb, a, N, K, O, RP, dx.stride(0), dy.stride(0), float(scale),
+        ACCUMULATE=bool(accumulate), BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, BLOCK_R=RP, GROUP_M=GROUP_M,
+        num_warps=warps, num_stages=stages)

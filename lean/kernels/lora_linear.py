@@ -53,9 +53,9 @@ the scratch copy.
 
 Supported: R in 1..128 (padded to a power of two >= 16 for tl.dot); p in [0, 1); any N, K, O.
 Tested: tests/test_lora_linear.py: fp32 and fp16 (CPU interpreter), bf16 (H100); N, K, O odd
-(37, 129, 257 ...); R 8 and 16 (64 on the GPU); bias on/off; p 0 and 0.1; accumulation;
-determinism; rejections; the TMA kernels in fp16 under the interpreter (their choice forced) and
-as chosen on the GPU; the pointer pre-pass forward in fp16 (interpreter) and bf16 (GPU, portable). Timings: tools/gemm_tune.py (numbers beside the configs below).
+(37, 129, 257 ...); R 8 and 16 (64 on the GPU); bias on/off; p 0 and 0.1; accumulation; determinism;
+rejections; both pre-pass paths (fp16 in the interpreter, the TMA choice forced; bf16 as chosen on
+the GPU, portable forced for the pointer one). Timings: tools/gemm_tune.py (beside the configs below).
 Caution:
   - R not a multiple of 16: the backward runs kernel 1 on zero-padded copies of a and b (rank
     RP). Unpadded, R = 8 gave a wrong dy B on an H100 (Triton 3.6; masked 16-byte B rows) while

@@ -1,6 +1,6 @@
 """Candidate levers for lean's step, timed as CUDA-graph replays (GPU time, no launch cost), bf16.
 
-    python tools/step_levers.py [--only now,eager,ce,gemm,lora] [--out FILE]
+    python tools/step_levers.py [--only now,eager,ce,cerow,swiglu,gemm,lora] [--out FILE]
     TRITON_INTERPRET=1 python tools/step_levers.py --check     # CPU: the variants' results, small shapes
 
 Experiments, not lean's kernels (those stay in lean/kernels until a variant wins here and in the
@@ -359,8 +359,8 @@ def ce_section(log, dev, N=8192, shapes=CE_SHAPES):
         t_lg_cub = bench(lambda: torch.matmul(hc, w.t(), out=logits))
         G.matmul(logits, hc, w.t())
         t_row = bench(lambda: CE._linear_ce_fwd_bwd_kernel[(rows,)](
-            logits, loss.new_empty(rows), t[:rows], V, logits.stride(0), gs, -100,
-            BLOCK_V=CE._GPU_BLOCK_V, WRITE_GRAD=True, num_warps=CE._GPU_ROW_WARPS))
+            logits, loss.new_empty(rows), t[:rows], rows, V, logits.stride(0), gs, -100,
+            BLOCK_V=CE._GPU_BLOCK_V, WRITE_GRAD=True, REVERSE=False, num_warps=CE._GPU_ROW_WARPS))
         logits.copy_(lref)  # a softmax-like magnitude is not needed for timing a GEMM
         dhc = torch.empty(rows, C, device=dev, dtype=bf)
         dref = logits @ w
@@ -388,6 +388,95 @@ def ce_section(log, dev, N=8192, shapes=CE_SHAPES):
         log(f"ce {name} pieces at chunk_rows {rows} (x{n_chunks} chunks), us per chunk: logits GEMM lean {t_lg * 1e3:.0f} "
             f"cuBLAS {t_lg_cub * 1e3:.0f} TMA {' '.join(tma)} | row kernel {t_row * 1e3:.0f} | dh GEMM lean "
             f"{t_dh * 1e3:.0f}{mark(e_dh)} cuBLAS {t_dh_cub * 1e3:.0f} split-K {' '.join(split)}")
+
+
+def cerow_section(log, dev, N=8192, shapes=CE_SHAPES):
+    """The CE row kernel (pass 1 online lse, pass 2 the gradient in place) at the default chunk:
+    one program per row against persistent walks (programs per SM) with pass 2 reversed (its
+    first blocks are pass 1's last, likely still in L2), by BLOCK_V and warps; then the whole op
+    with each candidate as its row_config."""
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for C, V, name in shapes:
+        rows = CE._default_chunk_rows(N, V, C, 2, INTERP)
+        logits = torch.randn(rows, V, device=dev, dtype=bf) * 3
+        t = torch.randint(0, V, (rows,), device=dev, dtype=torch.int32)
+        gs = torch.full((1,), 1.0 / N, device=dev)
+        rl = torch.empty(rows, device=dev)
+        floor_us = 3 * rows * V * 2 / 3.0e12 * 1e6
+        cells = []
+        for bv, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+            for per_sm in (0, 1, 2, 4):
+                for rev in ((False, True) if per_sm else (False,)):
+                    def run():
+                        grid = min(rows, per_sm * sms) if per_sm else rows
+                        return bench(lambda: CE._linear_ce_fwd_bwd_kernel[(grid,)](
+                            logits, rl, t, rows, V, logits.stride(0), gs, -100,
+                            BLOCK_V=bv, WRITE_GRAD=True, REVERSE=rev, num_warps=warps))
+                    r = attempt(run, log, f"row {bv} w{warps} p{per_sm} r{rev}")
+                    if r:
+                        cells.append((r, bv, warps, per_sm, rev))
+        cells.sort()
+        log(f"cerow {name} rows {rows} V{V} (3 passes at 3.0 TB/s: {floor_us:.0f} us): "
+            + "  ".join(f"{bv}w{wp}p{p}{'r' if rv else ''}:{ms * 1e3:.0f}us" for ms, bv, wp, p, rv in cells[:8])
+            + f" ... worst {cells[-1][0] * 1e3:.0f}us")
+        h = torch.randn(N, C, device=dev, dtype=bf)
+        w = torch.randn(V, C, device=dev, dtype=bf) * C ** -0.5
+        tt = torch.randint(0, V, (N,), device=dev, dtype=torch.int32)
+        loss, dh = torch.empty(2, device=dev), torch.empty(N, C, device=dev, dtype=bf)
+        whole = []
+        for ms, bv, wp, p, rv in [min(c for c in cells if c[3] == 0)] + cells[:3]:
+            cfg = (bv, wp, p * sms if p else None, rv)
+            whole.append(f"{bv}w{wp}p{p}{'r' if rv else ''}:"
+                         f"{bench(lambda: CE.linear_ce_fwd_bwd(loss, dh, h, w, tt, grad_scale=gs, row_config=cfg)):.2f}ms")
+        log(f"cerow {name} whole op N{N}: " + "  ".join(whole))
+
+
+def swiglu_section(log, dev, N=8192, R=16):
+    """The MLP backward's swiglu + LoRA gradient passes (dropout 0): swiglu_bwd writing h, then
+    lora_grad's db_gate, db_up and da_down passes (the separate kernels), against swiglu_bwd_lora
+    (one pass) at launch variants (BLOCK_F, BLOCK_T, warps, stages); the gradients'
+    largest relative difference from the separate passes' (none: the same bits)."""
+    import lean.kernels.swiglu as SW
+    bf = torch.bfloat16
+    for F, name in ((8192, "llama F8192"), (3072, "qwen F3072")):
+        g, u, dh = (torch.randn(N, F, device=dev, dtype=bf) for _ in range(3))
+        xg, xu, dyb = (torch.randn(N, R, device=dev, dtype=bf) for _ in range(3))
+        dbg, dbu, dad = torch.zeros(F, R, device=dev), torch.zeros(F, R, device=dev), torch.zeros(R, F, device=dev)
+        dg, du, h = (torch.empty_like(g) for _ in range(3))
+
+        def separate():
+            SW.swiglu_bwd(dg, du, dh, g, u, h=h)
+            LG._lora_grad(dbg, dg, xg, 2.0, 0, 0.0, "tf32", transposed=False)
+            LG._lora_grad(dbu, du, xu, 2.0, 0, 0.0, "tf32", transposed=False)
+            LG._lora_grad(dad, h, dyb, 2.0, 0, 0.0, "tf32", transposed=True)
+        t_sep = bench(separate)
+        t_plain = bench(lambda: SW.swiglu_bwd(dg, du, dh, g, u))
+        for x in (dbg, dbu, dad):
+            x.zero_()
+        separate()
+        ref = [x.clone() for x in (dbg, dbu, dad)]
+        cells = []
+        for launch in (None, *[(bf, bt, w, st, p) for bf, bt, w, st in ((128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+                                                                     (64, 32, 4, 3), (128, 16, 4, 3))
+                               for p in (1, 2, 3, 4)]):
+            SW._LORA_LAUNCH = launch
+            try:
+                def fused():
+                    SW.swiglu_bwd_lora(dg, du, dh, g, u, scale=2.0, gate=(dbg, xg), up=(dbu, xu), down=(dad, dyb))
+                for x in (dbg, dbu, dad):
+                    x.zero_()
+                if attempt(lambda: fused() or True, log, f"swiglu lora {launch}") is None:
+                    continue
+                err = max(relerr(a, b) for a, b in zip((dbg, dbu, dad), ref))
+                tag = "" if err == 0 else f"(err {err:.0e})"
+                cells.append(f"{'grad' if launch is None else ','.join(map(str, launch))}:"
+                             f"{bench(fused) * 1e3:.0f}us{tag}")
+            finally:
+                SW._LORA_LAUNCH = None
+        floor_us = 5 * N * F * 2 / 3.0e12 * 1e6
+        log(f"swiglu {name} N{N} R{R}: separate (swiglu_bwd h= + 3 grad passes) {t_sep * 1e3:.0f} us, swiglu_bwd "
+            f"alone {t_plain * 1e3:.0f} us, fused by launch: {'  '.join(cells)}; 5 tensors at 3 TB/s {floor_us:.0f} us")
 
 
 def now_section(log, dev, N=8192, R=16, shapes=SHAPES):
@@ -501,7 +590,8 @@ def main():
     torch.manual_seed(0)
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     parts = args.only.split(",")
-    for part, fn in (("now", now_section), ("eager", eager_section), ("ce", ce_section), ("lora", lora_section),
+    for part, fn in (("now", now_section), ("eager", eager_section), ("ce", ce_section), ("cerow", cerow_section),
+                     ("swiglu", swiglu_section), ("lora", lora_section),
                      ("gemm", gemm_section)):
         if part in parts:
             fn(log, "cuda")

@@ -16,10 +16,11 @@ Outputs: loss (2,) fp32 written with `=`: [sum of CE over valid tokens, valid-to
 Saves:   nothing; forward and backward are one pass (the lm_head is frozen, so dh is all we need).
 
 Per chunk of `chunk_rows` tokens: (1) one GEMM writes logits_chunk = h_chunk @ w^T into a scratch
-(chunk_rows, V) buffer in h's dtype; (2) `_linear_ce_fwd_bwd_kernel`, one program per row, reads
-the row once for an online max / sum-exp (fp32), reads the target logit, writes the row's loss,
-then reads the row again and overwrites it in place with grad_scale * (softmax - onehot) in h's
-dtype (zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w (an under-filled output
+(chunk_rows, V) buffer in h's dtype; (2) `_linear_ce_fwd_bwd_kernel`, persistent programs (4 a
+SM) taking a row at a time, reads the row once for an online max / sum-exp (fp32), reads the target
+logit, writes the row's loss, then reads the row again from its end (the blocks pass 1 read last,
+likely still in L2) and overwrites it in place with grad_scale * (softmax - onehot) in h's dtype
+(zeros for ignored rows); (3) one GEMM dh_chunk = dlogits_chunk @ w (an under-filled output
 over a long K: gemm_splitk.py's deterministic split-K path on Hopper). After the last chunk,
 `_linear_ce_sum_kernel` (one program, fixed order, no atomics) sums the per-row losses and counts
 the valid targets, so the loss is bit-for-bit deterministic.
@@ -61,12 +62,17 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
+from lean.kernels.arch import arch
 from lean.kernels.gemm import matmul
 from lean.kernels.gemm_splitk import splitk_workspace_bytes
 
-# Untuned first guesses for H100 (no GPU measurement yet): the row kernel streams 2 x V elements per
-# row; 4096-wide blocks with 8 warps give 16 elements per thread per iteration.
-_GPU_BLOCK_V, _GPU_ROW_WARPS = 4096, 8
+# The row kernel (BLOCK_V, num_warps) and its walk (programs per SM, or 0 for one program per row;
+# pass 2 reversed). H100, bf16, `tools/step_levers.py --only cerow` (28 variants, the default chunk):
+# 16384 w16, 4 a SM, reversed: Qwen3-0.6B (768 x 151936) 245 us, Llama-3.2-1B (640 x 128256) 162 us
+# (the three passes' bytes at 3.0 TB/s: 233, 164 us), against 299 and 175 us for the earlier 4096
+# w8, a program a row; the best per shape (8192 w8 4r: 238 us; 16384 w16 4: 161) within 3%.
+_GPU_BLOCK_V, _GPU_ROW_WARPS = 16384, 16
+_GPU_ROW_PERSIST = (4, True)
 # "A few hundred MB at most" for the logits scratch (untuned).
 _GPU_CHUNK_BYTES = 256 << 20
 # Chunk rows: each chunk's two GEMMs (logits = h w^T, dh = dlogits w) read all of w (V, C), so their
@@ -91,13 +97,24 @@ def _linear_ce_fwd_bwd_kernel(
     logits_ptr,  # (rows, V) in: logits; out: grad_scale * (softmax - onehot) if WRITE_GRAD
     row_loss_ptr,  # (rows,) fp32 out: lse - target logit, 0 for ignored rows
     targets_ptr,  # (rows,) int32/int64
-    V, stride_row,  # sizes
+    rows, V, stride_row,  # sizes
     grad_scale_ptr,  # (1,) fp32: dL/dloss_sum, read on the device (graph-safe)
     ignore_index,
-    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row  # int64: row * V passes 2^31 at N 16k, V 152k
+    """Rows pid, pid + programs, ... (a grid of `rows` programs: one row each). REVERSE: pass 2
+    walks the row's blocks last to first, starting where pass 1 ended (the blocks most likely
+    still in L2)."""
+    zero = tl.zeros((), tl.int64)  # row + zero: int64 offsets (row * V passes 2^31 at N 16k, V 152k)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        _ce_row(logits_ptr, row_loss_ptr, targets_ptr, row + zero, V, stride_row, grad_scale_ptr,
+                ignore_index, BLOCK_V, WRITE_GRAD, REVERSE)
+
+
+@triton.jit
+def _ce_row(logits_ptr, row_loss_ptr, targets_ptr, row, V, stride_row, grad_scale_ptr, ignore_index,
+            BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, REVERSE: tl.constexpr):
+    base = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
@@ -122,8 +139,9 @@ def _linear_ce_fwd_bwd_kernel(
     # Pass 2: overwrite the row with its gradient (zeros for an ignored row).
     if WRITE_GRAD:
         scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        for i in range(0, n_blocks):
+            offs = (n_blocks - 1 - i if REVERSE else i) * BLOCK_V + cols
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first")
             p = tl.exp2((x.to(tl.float32) - m) * 1.4426950408889634 - log2_s)  # softmax
@@ -171,10 +189,20 @@ def _gemm_workspace_bytes(N, V, C, elsize, chunk_rows):
     return max([0] + [splitk_workspace_bytes(r, n, k, elsize) for r in rows for n, k in ((V, C), (C, V))])
 
 
-def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None):
+def _row_config(device):
+    """(BLOCK_V, num_warps, programs or None for one per row, REVERSE) of the row kernel."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _INTERP_BLOCK_V, 4, 3, True  # a persistent walk with a reversed pass 2, as on the GPU
+    per_sm, reverse = _GPU_ROW_PERSIST
+    return _GPU_BLOCK_V, _GPU_ROW_WARPS, per_sm * arch(device).sms if per_sm else None, reverse
+
+
+def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None,
+                      row_config=None):
     """loss (2,) fp32 = [CE sum over valid tokens, valid count]; dh (N, C) = grad_scale * dCE/dh
     (or None: loss only). h (N, C), w (V, C), targets (N,). Both outputs are written with `=`.
-    grad_scale: a number or a (1,) fp32 tensor on h's device."""
+    grad_scale: a number or a (1,) fp32 tensor on h's device. row_config (BLOCK_V, num_warps,
+    programs, reverse): the row kernel's launch, for tools/step_levers.py's sweep."""
     check(h, "h", shape=(None, None), dtype=(torch.float32, torch.float16, torch.bfloat16),
           last_contiguous=True)
     N, C = h.shape
@@ -196,11 +224,10 @@ def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-
         chunk_rows = _default_chunk_rows(N, V, C, h.element_size(), interpret)
     if not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"linear_ce_fwd_bwd: chunk_rows must be a positive int, got {chunk_rows!r}")
-    block_v = _GPU_BLOCK_V
+    block_v, row_warps, row_programs, reverse = row_config or _row_config(dev)
     if interpret:
         block_v = _INTERP_BIG_BLOCK_V if V * C >= 2**18 else _INTERP_BLOCK_V
     block_v = min(block_v, triton.next_power_of_2(V))
-    row_warps = 4 if interpret else _GPU_ROW_WARPS
 
     chunk_rows = max(1, min(chunk_rows, N))
     scratch = torch.empty((chunk_rows, V), dtype=h.dtype, device=dev)  # (chunk_rows, V): logits, dlogits
@@ -209,11 +236,11 @@ def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-
         r1 = min(N, r0 + chunk_rows)
         logits = scratch[: r1 - r0]  # (rows, V)
         matmul(logits, h[r0:r1], w.t())
-        _linear_ce_fwd_bwd_kernel[(r1 - r0,)](
+        _linear_ce_fwd_bwd_kernel[(min(r1 - r0, row_programs or r1 - r0),)](
             logits, row_loss[r0:r1], targets[r0:r1],
-            V, logits.stride(0),
+            r1 - r0, V, logits.stride(0),
             grad_scale, ignore_index,
-            BLOCK_V=block_v, WRITE_GRAD=dh is not None, num_warps=row_warps,
+            BLOCK_V=block_v, WRITE_GRAD=dh is not None, REVERSE=reverse, num_warps=row_warps,
         )
         if dh is not None:
             matmul(dh[r0:r1], logits, w)  # (rows, C) = dlogits @ w

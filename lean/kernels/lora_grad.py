@@ -127,26 +127,40 @@ def _lora_grad(g, u, v, factor, seed, dropout, prec, *, transposed, big=False, m
     N, P = u.shape
     R = v.shape[1]
     pairs = [(g, v)] + list(more)
-    BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
-    if big:  # the interpreter runs programs one by one: one chunk, one feature block up to 2048 wide
-        BP = min(triton.next_power_of_2(P), 2048)
-        BT = max(16, min(triton.next_power_of_2(N), 2**18 // BP))
-    p_blocks = triton.cdiv(P, BP)
-    # enough token chunks to give every SM two programs; the chunking depends on shapes only
-    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * arch(u.device).sms, p_blocks)), BT)
-    S = triton.cdiv(N, chunk)
+    BP, BT, warps, stages, chunk, S = grad_chunking(N, P, u.device, big)
     parts = [torch.empty((S, P * R), device=u.device, dtype=torch.float32) for _ in pairs]  # (S, P*R) each
     vs = [w for _, w in pairs]
-    _lora_grad_partial_kernel[(p_blocks, S)](
+    _lora_grad_partial_kernel[(triton.cdiv(P, BP), S)](
         *(parts + parts[:1] * (3 - len(parts))), u, *(vs + vs[:1] * (3 - len(vs))),  # unused slots: never touched
         N, P, R, u.stride(0), 1 if transposed else R, P if transposed else 1,
         chunk, seed, float(dropout),
         DROPOUT=dropout > 0.0, NV=len(pairs), BLOCK_P=BP, BLOCK_T=BT, BLOCK_R=_block_r(R), PRECISION=prec,
         num_warps=warps, num_stages=stages)
-    block = 2**14 if big else _REDUCE
-    block_s = 1
+    for (gi, _), part in zip(pairs, parts):
+        grad_reduce(gi, part, factor, big)
+
+
+def grad_chunking(N, P, device, big=False):
+    """(BLOCK_P, BLOCK_T, num_warps, num_stages, chunk, S) of the partial pass over u (N, P): S
+    token chunks of `chunk` rows, enough to give every SM two programs; shapes alone decide it (the
+    bits of g depend on it). big: a model-sized problem under the interpreter (one chunk, one
+    feature block up to 2048 wide: the interpreter runs programs one by one). Shared with
+    swiglu.swiglu_bwd_lora, whose fused partials are the bits of this file's."""
+    BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
+    if big:
+        BP = min(triton.next_power_of_2(P), 2048)
+        BT = max(16, min(triton.next_power_of_2(N), 2**18 // BP))
+    p_blocks = triton.cdiv(P, BP)
+    chunk = BT * triton.cdiv(triton.cdiv(N, 1 if big else triton.cdiv(2 * arch(device).sms, p_blocks)), BT)
+    return BP, BT, warps, stages, chunk, triton.cdiv(N, chunk)
+
+
+def grad_reduce(g, part, factor, big=False):
+    """g (flat, fp32) += factor * (part[0] + ... + part[S-1]) over its first g.numel() columns:
+    _lora_grad_reduce_kernel on the (S, width) partials of the partial pass."""
+    S = part.shape[0]
+    block, block_s = 2**14 if big else _REDUCE, 1
     if not interpreting():  # GPU: all partials of a column in flight at once (32 KB a program at most)
         block, block_s = _REDUCE_GPU, min(_REDUCE_GPU_S, triton.next_power_of_2(S))
-    for (gi, _), part in zip(pairs, parts):
-        _lora_grad_reduce_kernel[(triton.cdiv(gi.numel(), block),)](
-            gi, part, S, gi.numel(), P * R, float(factor), BLOCK=block, BLOCK_S=block_s)
+    _lora_grad_reduce_kernel[(triton.cdiv(g.numel(), block),)](
+        g, part, S, g.numel(), part.shape[1], float(factor), BLOCK=block, BLOCK_S=block_s)

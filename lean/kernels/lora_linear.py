@@ -399,7 +399,8 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
 def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=0, accumulate_dx=False,
                     dyb=None):
     """dx (N, K) = dy W + scale * drop'(dy B A) (skipped if dx is None; += if accumulate_dx);
-    da (R, K) and db (O, R), fp32, += the LoRA gradients. dropout and seed must be the forward's.
+    da (R, K) and db (O, R), fp32, += the LoRA gradients (db None: the caller sums it elsewhere,
+    as swiglu.swiglu_bwd_lora does for gate/up). dropout and seed must be the forward's.
     x None defers da (the layer did not keep x): pass dyb (N, dyb_width(R)), which receives dy B,
     and call lora_linear_bwd_da(da, dyb, x, ...) once x is rebuilt."""
     N, K, O, R = _check_lora(x, w, a, b, dropout, seed, dy=dy)
@@ -413,7 +414,8 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     elif dyb is not None:
         raise ValueError("lora_linear_bwd: dyb is the output of a deferred da (x=None); with x given it stays internal")
     check(da, "da", shape=(R, K), dtype=torch.float32, device=dev, contiguous=True)
-    check(db, "db", shape=(O, R), dtype=torch.float32, device=dev, contiguous=True)
+    if db is not None:
+        check(db, "db", shape=(O, R), dtype=torch.float32, device=dev, contiguous=True)
     if N == 0:
         return
     nf4 = isinstance(w, Nf4) and dx is not None  # without dx the kernel never reads W
@@ -455,7 +457,8 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
     big = interpreting() and interpret_big(N, K, O)
     if x is not None:
         _lora_grad(da, x, dyb, scale * inv_keep, seed, dropout, prec, transposed=True, big=big)
-    _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False, big=big)
+    if db is not None:
+        _lora_grad(db, dy, xa, scale, seed, 0.0, prec, transposed=False, big=big)
 
 
 def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0, more=()):

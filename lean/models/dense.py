@@ -31,7 +31,9 @@ n1, n2 and act are not saved (a third of a layer's activations): their only use 
 LoRA dA of the projections they feed (dA += s (dy B)^T x). Those wait: the projection's dx runs
 first and leaves dy B in a small (N, R) buffer; then the backward kernel that reads the tensor's
 inputs anyway (swiglu_bwd for act, rmsnorm_bwd for n2 and n1) writes it again, the same bits, into
-the gradient buffer it has just consumed, and dA follows.
+the gradient buffer it has just consumed, and dA follows. Without dropout act is never written:
+swiglu_bwd_lora sums the down dA from the tiles it computes, and gate's and up's dB from the dgate,
+dup tiles it writes (the bits of the separate passes, one pass over the (N, F) tensors).
 
 Projections that share an input (q/k/v read n1, gate/up read n2) share its reads where the LoRA
 kernels would each make one: their xa pre-passes (the Hopper path, dropout 0: proj_xa_shared) and
@@ -51,7 +53,7 @@ from ..kernels.lora_linear_pre import lora_xa_shared
 from ..kernels.qk_norm_rope import qk_norm_rope_bwd, qk_norm_rope_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_bwd, rope_fwd
-from ..kernels.swiglu import swiglu_bwd, swiglu_fwd
+from ..kernels.swiglu import swiglu_bwd, swiglu_bwd_lora, swiglu_fwd
 from .moe import moe_backward, moe_backward_da, moe_forward
 
 
@@ -143,9 +145,10 @@ def proj_xa_shared(xa_out, x, weights, ads, ctx):
         xa_out.update(zip(todo, xas))
 
 
-def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None):
+def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None, db=True):
     """dx (=, or += when accumulate) dy W (+ LoRA term); LoRA grads += into the flat buffer.
-    x None: the input was not kept; dA waits in `waiting` (t -> dy B) for proj_bwd_da."""
+    x None: the input was not kept; dA waits in `waiting` (t -> dy B) for proj_bwd_da.
+    db False: dB was summed already (swiglu_bwd_lora, for gate and up)."""
     if ad is None:
         linear_bwd(dx, dy, w, accumulate=accumulate)
         return
@@ -153,7 +156,7 @@ def proj_bwd(dx, dy, x, w, ad, xa, t, ctx, li, accumulate, waiting=None):
     if x is None:
         dyb = torch.empty(dy.shape[0], dyb_width(ad.a_lowp.shape[0]), dtype=dy.dtype, device=dy.device)  # (N, RP)
         waiting[t] = dyb
-    lora_linear_bwd(dx, ad.da, ad.db, dy, x, xa, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale,
+    lora_linear_bwd(dx, ad.da, ad.db if db else None, dy, x, xa, w, ad.a_lowp, ad.b_lowp, ctx.lora_scale,
                     dropout=ctx.dropout, seed=_seed(ctx, li, t), accumulate_dx=accumulate, dyb=dyb)
 
 
@@ -270,13 +273,22 @@ def layer_backward(g, sv, w, ads, ctx, li, cfg):
     # MLP block, bottom-up
     dact = new(N, F)
     proj_bwd(dact, g, None, w.down, ads.get("down"), sv.xa.get("down"), "down", ctx, li, False, waiting)
-    dgate, dup, act = sv.gate, sv.up, dact  # in place: gate/up are dead after this, act replaces dact
-    swiglu_bwd(dgate, dup, dact, sv.gate, sv.up, h=act if waiting else None)
-    proj_bwd_da(waiting, act, ads, ctx, li)
-    del dact, act  # each gradient buffer is freed once dead: plan.py's BACKWARD moments count on it
+    dgate, dup = sv.gate, sv.up  # in place: gate/up are dead after this
+    fused = ctx.dropout == 0.0  # gate/up dB and down dA from swiglu's own pass (no act, no re-reads)
+    if fused:
+        lora = {t: (ads[t].db, sv.xa[t]) for t in ("gate", "up") if ads.get(t) is not None}
+        swiglu_bwd_lora(dgate, dup, dact, sv.gate, sv.up, scale=ctx.lora_scale, **lora,
+                        down=(ads["down"].da, waiting.pop("down")) if "down" in waiting else None)
+        del dact  # each gradient buffer is freed once dead: plan.py's BACKWARD moments count on it
+    else:
+        act = dact  # act replaces dact: the down dA's input, written again
+        swiglu_bwd(dgate, dup, dact, sv.gate, sv.up, h=act if waiting else None)
+        proj_bwd_da(waiting, act, ads, ctx, li)
+        del dact, act
     dn2 = new(N, C)
-    proj_bwd(dn2, dgate, None, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False, waiting)
-    proj_bwd(dn2, dup, None, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True, waiting)
+    proj_bwd(dn2, dgate, None, w.gate, ads.get("gate"), sv.xa.get("gate"), "gate", ctx, li, False, waiting,
+             db=not fused)
+    proj_bwd(dn2, dup, None, w.up, ads.get("up"), sv.xa.get("up"), "up", ctx, li, True, waiting, db=not fused)
     n2 = dn2  # rmsnorm_bwd writes n2 over dn2 once read: the gate/up dA input
     rmsnorm_bwd(g, None, dn2, sv.mid, w.post_norm, sv.rstd2, dresidual=g, y=n2 if waiting else None)  # g = dL/dmid
     proj_bwd_da(waiting, n2, ads, ctx, li)

@@ -101,12 +101,13 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from ..kernels.arch import arch
-from ..kernels.gemm import interpreting
+from ..kernels.gemm import interpret_big, interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.gemm_splitk import splitk_workspace_bytes
 from ..kernels.lora_grad import _GRAD, _block_r
 from ..kernels.moe_group import _group_config
 from ..kernels.moe_route import _rows_config as _route_rows_config
+from ..kernels.swiglu import lora_chunking as swiglu_lora_chunking
 from .lora import EXPERT_TARGETS, TARGETS, _target_shape, layer_targets
 
 GiB = 1 << 30
@@ -222,11 +223,21 @@ GRADS = (
 # dy B waits for its dA, what runs and on which projections). What runs: "dx" = lora_linear_bwd
 # with its dA deferred (input not kept), "dA" = the deferred lora_linear_bwd_da, "all" = the whole
 # lora_linear_bwd (o: its input is saved anyway), "" = no LoRA scratch.
-MLP_MOMENTS = (
+MLP_MOMENTS = (  # with LoRA dropout
     ("down", ("dact",), (), "dx", ("down",)),
     ("down dA", ("dact",), ("down",), "dA", ("down",)),
     ("gate", ("dn2",), (), "dx", ("gate",)),
     ("up", ("dn2",), ("gate",), "dx", ("up",)),
+    ("gate/up dA", ("dn2",), ("gate", "up"), "dA", ("gate", "up")),
+)
+# Without dropout (dense.layer_backward's `fused`): swiglu_bwd_lora's partials, the down dA's and
+# gate's and up's dB at once ("swiglu": swiglu_da for down, swiglu_db for gate/up), down's dy B
+# waiting until it ends; then gate and up without their dB partials ("dx_nodb").
+MLP_MOMENTS_FUSED = (
+    ("down", ("dact",), (), "dx", ("down",)),
+    ("swiglu", ("dact",), ("down",), "swiglu", ("down", "gate", "up")),
+    ("gate", ("dn2",), (), "dx_nodb", ("gate",)),
+    ("up", ("dn2",), ("gate",), "dx_nodb", ("up",)),
     ("gate/up dA", ("dn2",), ("gate", "up"), "dA", ("gate", "up")),
 )
 ATTENTION_MOMENTS = (  # an MoE layer's backward ends with these too (moe_backward_events before them)
@@ -375,7 +386,8 @@ def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
     pad = (RP * K + O * RP) * act_bytes if RP != R else 0
     dyb = N * RP * act_bytes
     return {"all": pad + dyb + max(_lora_partials(N, K, RP), _lora_partials(N, O, R)),
-            "dx": dyb + pad + _lora_partials(N, O, R), "dA": _lora_partials(N, K, RP), "dyb": dyb}[part]
+            "dx": dyb + pad + _lora_partials(N, O, R), "dA": _lora_partials(N, K, RP), "dyb": dyb,
+            "dx_nodb": dyb + pad}[part]
 
 
 def linear_ce_scratch(N, V, C, act_bytes):
@@ -539,7 +551,11 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
         rows.update({r.name: rb(r) for r in MOE_PLAN + MOE_EXTRA}, m=xb, dn2=grads["dn2"],
                     **moe_scratch(cfg, N, act_bytes))
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
-                   for part in ("all", "dx", "dA", "dyb")} for t in ts if t not in EXPERT_TARGETS}
+                   for part in ("all", "dx", "dA", "dyb", "dx_nodb")} for t in ts if t not in EXPERT_TARGETS}
+    for t in set(ts) & {"down", "gate", "up"}:  # swiglu_bwd_lora's (S, F*R) partial for t (down: RP)
+        F = cfg.intermediate
+        S = swiglu_lora_chunking(N, F, None, interpreting() and interpret_big(N, F, F))[-1]  # as swiglu_bwd_lora
+        scratch[t]["swiglu"] = S * F * (_block_r(lora_rank) if t == "down" else lora_rank) * 4
     return _Kind(moe, ts, rows, grads, layer_bytes(cfg, N, act_bytes, lora_rank, lora_targets, li),
                  mode_bytes(cfg, N, act_bytes, KEEP, lora_rank, lora_targets, li),
                  mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
@@ -597,14 +613,14 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
         if mode != KEEP:  # the rebuild, from x and xa (kept, or x in a reload buffer)
             run(f"recompute of layer {li}", held + base + k.rows["xa"] + (xb if mode == RECOMPUTE else 0),
                 forward_events(cfg, k.targets, rebuild=True, up_given=mode == OFFLOAD_UP, moe=k.moe), k.rows)
-        moments = BACKWARD_MOMENTS
+        moments = (MLP_MOMENTS if lora_dropout else MLP_MOMENTS_FUSED) + ATTENTION_MOMENTS
         if k.moe:  # the experts and the router, then the attention as a dense layer's
             run(f"backward of layer {li} (experts)", held + base + cur, moe_backward_events(k.targets), k.rows)
             moments = ATTENTION_MOMENTS
         for name, live, waiting, runs, projs in moments:
             extra = sum(k.scratch[t]["dyb"] for t in waiting if t in k.scratch)
             sizes = [k.scratch[t][runs] for t in projs if t in k.scratch]
-            extra += sum(sizes) if runs == "dA" and lora_dropout == 0.0 else max(sizes, default=0)
+            extra += sum(sizes) if runs in ("dA", "swiglu") and lora_dropout == 0.0 else max(sizes, default=0)
             at(f"backward of layer {li} ({name})", held + base + cur + sum(k.grads[g] for g in live) + extra)
     return best[0], best[1]
 

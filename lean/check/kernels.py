@@ -181,6 +181,22 @@ def check_swiglu(case, report):
         close_rule(dg, dg_ref, dg_low, name="dg"), close_rule(du, du_ref, du_low, name="du"),
         close_rule(act, h_ref, h_low, name="act")])
 
+    # without dropout layer_backward runs swiglu_bwd_lora: gate/up dB and down dA from the same pass
+    R, s = 16, 2.0
+    xg, xu, dyb = case.randn(N, R), case.randn(N, R), case.randn(N, R)  # xa_gate, xa_up, down's dy B
+    db_g, db_u, da_d = (torch.zeros(F, R, device=g.device), torch.zeros(F, R, device=g.device),
+                        torch.zeros(R, F, device=g.device))  # fp32, += as the step's flat gradients
+    dg, du = g.clone(), u.clone()
+    swiglu.swiglu_bwd_lora(dg, du, dh, dg, du, scale=s, gate=(db_g, xg), up=(db_u, xu), down=(da_d, dyb))
+    up = case.up
+    grads = lambda dg_, du_, h_: (s * dg_.t() @ up(xg), s * du_.t() @ up(xu), s * up(dyb).t() @ h_)  # noqa: E731
+    refs = grads(dg_ref, du_ref, h_ref)
+    lows = grads(up(dg_low), up(du_low), up(h_low)) if dg_low is not None else (None,) * 3
+    report.check("swiglu bwd + LoRA grads", f"N{N} F{F} R{R} in place", [
+        close_rule(dg, dg_ref, dg_low, name="dg"), close_rule(du, du_ref, du_low, name="du")] + [
+        close_rule(got, ref, low, name=name, by_lowp=low is not None) for got, ref, low, name in
+        zip((db_g, db_u, da_d), refs, lows, ("db gate", "db up", "da down"))])
+
 
 def check_embedding(case, report):
     """The token gather: a copy, so exact."""

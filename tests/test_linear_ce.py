@@ -256,7 +256,7 @@ def test_linear_ce_rejects_chunk_rows():
         linear_ce_fwd_bwd(a.pop("loss"), a.pop("dh"), **a, chunk_rows=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, LOWP])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32), pytest.param(LOWP, marks=pytest.mark.gpu)])
 def test_linear_ce_row_walks_agree(dtype):
     """The row kernel's walks (one program per row; persistent programs, pass 2 forward or
     reversed) give the same bits: every element of a row is computed alone, in any order."""

@@ -221,11 +221,12 @@ _LORA_LAUNCH = (128, 32, 4, 3, 2)
 
 def lora_chunking(N, F, device, big=False):
     """(BLOCK_F, BLOCK_T, num_warps, num_stages, chunk, S) of swiglu_bwd_lora over (N, F):
-    lora_grad.grad_chunking's tiles and chunks without _LORA_LAUNCH, else _LORA_LAUNCH's tiles in
+    lora_grad.grad_chunking's tiles and chunks without _LORA_LAUNCH or when big (a model-sized
+    problem under the interpreter), else _LORA_LAUNCH's tiles in
     chunks of whole BLOCK_T steps, as many as fit per_sm programs a SM. runtime/plan.py sizes the (S, F*R)
     partials with it."""
     BF, BT, warps, stages, chunk, S = grad_chunking(N, F, device, big)
-    if _LORA_LAUNCH is None:
+    if _LORA_LAUNCH is None or big:  # big: the interpreter's model-sized tiles (a program costs ms there)
         return BF, BT, warps, stages, chunk, S
     BF, BT, warps, stages, per_sm = _LORA_LAUNCH
     chunks = max(1, per_sm * arch(device).sms // triton.cdiv(F, BF))  # programs: at most per_sm a SM

@@ -33,7 +33,7 @@ first and leaves dy B in a small (N, R) buffer; then the backward kernel that re
 inputs anyway (swiglu_bwd for act, rmsnorm_bwd for n2 and n1) writes it again, the same bits, into
 the gradient buffer it has just consumed, and dA follows. Without dropout act is never written:
 swiglu_bwd_lora sums the down dA from the tiles it computes, and gate's and up's dB from the dgate,
-dup tiles it writes (the bits of the separate passes, one pass over the (N, F) tensors).
+dup tiles it writes (the separate passes' products, in one pass over the (N, F) tensors).
 
 Projections that share an input (q/k/v read n1, gate/up read n2) share its reads where the LoRA
 kernels would each make one: their xa pre-passes (the Hopper path, dropout 0: proj_xa_shared) and

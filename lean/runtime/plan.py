@@ -80,9 +80,10 @@ allocated: the persistent state (frozen weights, the LoRA flat buffers and AdamW
 batch descriptor and RoPE tables, the scheduler's reload buffers), and on top of it, moment by
 moment, the rows the finished layers hold, the working layer's forward or rebuild allocation by
 allocation (forward_events: a layer rebuilt later lets each row go once its forward is done with
-it, and writes act over gate), its gradient buffers (BACKWARD_MOMENTS, dense.py frees each when
-dead), the kernels' own scratch (lora_linear_bwd's
-dy B and partial sums, linear_ce's logits chunk) and the lm_head/loss buffers. Budgets compare
+it, and writes act over gate), its gradient buffers (MLP_MOMENTS, or MLP_MOMENTS_FUSED without
+dropout, then ATTENTION_MOMENTS; dense.py frees each when dead), the kernels' own scratch
+(lora_linear_bwd's dy B and partial sums, swiglu_bwd_lora's partials, linear_ce's logits chunk)
+and the lm_head/loss buffers. Budgets compare
 with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
 memory and its 512-byte rounding are not counted).
 
@@ -231,8 +232,8 @@ MLP_MOMENTS = (  # with LoRA dropout
     ("gate/up dA", ("dn2",), ("gate", "up"), "dA", ("gate", "up")),
 )
 # Without dropout (dense.layer_backward's `fused`): swiglu_bwd_lora's partials, the down dA's and
-# gate's and up's dB at once ("swiglu": swiglu_da for down, swiglu_db for gate/up), down's dy B
-# waiting until it ends; then gate and up without their dB partials ("dx_nodb").
+# gate's and up's dB at once ("swiglu", sized by swiglu.lora_chunking), down's dy B waiting until it
+# ends; then gate and up without their dB partials ("dx_nodb").
 MLP_MOMENTS_FUSED = (
     ("down", ("dact",), (), "dx", ("down",)),
     ("swiglu", ("dact",), ("down",), "swiglu", ("down", "gate", "up")),
@@ -249,7 +250,6 @@ ATTENTION_MOMENTS = (  # an MoE layer's backward ends with these too (moe_backwa
     ("v", ("dq", "dk", "dv", "dn1"), ("q", "k"), "dx", ("v",)),
     ("q/k/v dA", ("dn1",), ("q", "k", "v"), "dA", ("q", "k", "v")),
 )
-BACKWARD_MOMENTS = MLP_MOMENTS + ATTENTION_MOMENTS
 
 
 def _sym(cfg, n_tokens, lora_rank, n_xa):

@@ -145,7 +145,7 @@ def grad_chunking(N, P, device, big=False):
     token chunks of `chunk` rows, enough to give every SM two programs; shapes alone decide it (the
     bits of g depend on it). big: a model-sized problem under the interpreter (one chunk, one
     feature block up to 2048 wide: the interpreter runs programs one by one). Shared with
-    swiglu.swiglu_bwd_lora, whose fused partials are the bits of this file's."""
+    swiglu.lora_chunking (on these tiles swiglu_bwd_lora's partials are this file's bits)."""
     BP, BT, warps, stages = (32, 32, 4, 1) if interpreting() else _GRAD
     if big:
         BP = min(triton.next_power_of_2(P), 2048)

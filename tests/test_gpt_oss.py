@@ -168,9 +168,11 @@ def test_train_runs_an_mxfp4_gpt_oss_and_resumes(tmp_path, monkeypatch):
 
     def cfg(name, **kw):
         return T.TrainConfig(model=str(tmp_path / "model"), data=str(data), out_dir=str(tmp_path / name),
-                             max_tokens=32, steps=3, lr=5e-2, warmup_steps=1, r=2, alpha=4, seed=seed % 1000,
+                             max_tokens=64, steps=3, lr=2e-2, warmup_steps=1, r=2, alpha=4, seed=seed % 1000,
                              eval_every=0, save_every=0, heldout_fraction=0.1, progress=False, sample_tokens=0, **kw)
     full = T.train(cfg("full"))
+    # 64-token steps at lr 2e-2: over 12 seeds (a sweep, 2026-11-27) the held-out loss fell by
+    # 0.07-0.22 in 3 steps; at 32 tokens and 5e-2 it rose at one (LEAN_TEST_SEED=1876251672)
     assert full["eval_loss"] < full["eval_loss_before"]
     run = cfg("run")
     _raise_on_call(monkeypatch, "forward_backward", 3, KeyboardInterrupt)

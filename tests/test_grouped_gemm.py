@@ -4,6 +4,7 @@ buffers so that a write outside the rows (or experts) a program owns fails."""
 import pytest
 import torch
 
+import lean.kernels.arch as A
 import lean.kernels.grouped_gemm as GG
 from lean.kernels.grouped_gemm import gmm, gmm_wgrad
 from lean.reference.grouped_gemm import gmm_ref, gmm_wgrad_ref
@@ -49,11 +50,17 @@ def _guarded(rows, cols, dtype, *, pad=(2, 3, 1, 2)):
     return base[top:top + rows, left:left + cols], base, inside
 
 
-def _weight(E, O, Kd, transposed, g, dtype):
-    """(E, O, Kd), contiguous or the transpose of an (E, Kd, O) weight."""
-    if transposed:
-        return randn(E, Kd, O, g=g, dtype=dtype).transpose(1, 2)
-    return randn(E, O, Kd, g=g, dtype=dtype)
+def _weight(E, O, Kd, transposed, g, dtype, aligned=False):
+    """(E, O, Kd), contiguous or the transpose of an (E, Kd, O) weight; aligned: rows padded to 16
+    bytes (a TMA-describable stride at odd sizes), the padding never read as weight."""
+    inner = O if transposed else Kd
+    full = _aligned(inner) if aligned else inner
+    t = randn(E, Kd if transposed else O, full, g=g, dtype=dtype)[:, :, :inner]
+    return t.transpose(1, 2) if transposed else t
+
+
+def _aligned(n):
+    return -(-n // 8) * 8
 
 
 def _gather(P, div, g):
@@ -79,13 +86,13 @@ GMM_CASES = [
 ]
 
 
-def _run_gmm(case, dtype, g, bias_dtype=None):
+def _run_gmm(case, dtype, g, bias_dtype=None, aligned=False):
     P, E, layout, O, Kd, div, wt, R, acc = case
     counts = _counts(P, E, layout, g)
     offsets = _offsets(counts)
     X, gather = _gather(P, div, g)
-    x = randn(X, Kd, g=g, dtype=dtype)
-    w = _weight(E, O, Kd, wt, g, dtype)
+    x = randn(X, _aligned(Kd) if aligned else Kd, g=g, dtype=dtype)[:, :Kd]
+    w = _weight(E, O, Kd, wt, g, dtype, aligned)
     lora = None
     if R:
         xa = randn(P, R, g=g, dtype=dtype, scale=0.5)
@@ -107,12 +114,37 @@ def _run_gmm(case, dtype, g, bias_dtype=None):
     assert torch.isnan(base.cpu()[~inside]).all(), "gmm wrote outside y"
 
 
+def _force_loads(monkeypatch, loads):
+    """Make gmm take the pointer loop or (on the CPU, any size, dtype and stride; on a GPU, where
+    the arch has TMA) the descriptor loads; returns the list of W_DESC modes its launches pass."""
+    modes = []
+    run = GG._loads
+    if loads == "tma":
+        if DEVICE == "cpu":
+            monkeypatch.setattr(GG, "tma_ok", lambda *ts, macs: True)
+        else:
+            monkeypatch.setitem(GG.tma_ok.__globals__["_TMA_MIN"], "macs", 0)
+    else:
+        monkeypatch.setattr(GG, "tma_ok", lambda *ts, macs: False)
+    monkeypatch.setattr(GG, "_loads", lambda *a: modes.append(run(*a)[0]) or run(*a))
+    return modes
+
+
+LOADS = ["pointers", "tma"] if DEVICE == "cpu" or A.arch().tma else ["pointers"]
+
+
+@pytest.mark.parametrize("loads", LOADS)
 @pytest.mark.parametrize("case", GMM_CASES, ids=[f"P{c[0]}-E{c[1]}-{c[2]}" for c in GMM_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gmm(dtype, case):
+def test_gmm(dtype, case, loads, monkeypatch):
     """y against the per-expert reference; with accumulate, a row written twice (by a program past
-    the last tile, or by another expert's program) counts twice and fails."""
-    _run_gmm(case, dtype, fresh_generator())
+    the last tile, or by another expert's program) counts twice and fails. Both main loops: the
+    pointer one and the descriptor loads (w, and x where not gathered), whose tiles run past the
+    expert's rows and columns into its neighbours' and past Kd (edges the store and zeros mask)."""
+    modes = _force_loads(monkeypatch, loads)
+    _run_gmm(case, dtype, fresh_generator(), aligned=loads == "tma")
+    tma = loads == "tma" and (DEVICE == "cpu" or dtype != torch.float32)  # gemm.tma_ok: 16-bit on a GPU
+    assert modes == [(2 if case[6] else 1) if tma else 0], f"gmm's loads: {modes}"
 
 
 # (case, bias dtype or None = the model dtype): GPT-OSS's gate_up (gather, transposed w, LoRA) and down

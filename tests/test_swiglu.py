@@ -102,7 +102,7 @@ def test_bwd_rewrites_h_bitwise(dtype, N, F, over_dh):
 
 @pytest.mark.parametrize("launch", ["grad", "tiles"])
 @pytest.mark.parametrize("N,F,R,parts", [
-    (1, 37, 16, "all"), (97, 131, 8, "all"), (300, 200, 16, "gate"), (97, 131, 16, "up,down"), (300, 200, 8, "down"),
+    (1, 37, 16, "all"), (97, 131, 8, "all"), (300, 200, 16, "gate"), (97, 131, 16, "up,down"), (300, 200, 8, "down"), (97, 131, 8, "none"),
     pytest.param(8192, 8192, 16, "all", marks=pytest.mark.gpu), pytest.param(8192, 8192, 8, "up,down", marks=pytest.mark.gpu),
     pytest.param(4099, 3072, 16, "all", marks=pytest.mark.gpu), pytest.param(4099, 3072, 8, "gate", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,7 +118,7 @@ def test_bwd_lora_equals_separate_passes(dtype, N, F, R, parts, launch, monkeypa
     elif SW._LORA_LAUNCH is not None:
         monkeypatch.setattr(SW, "_LORA_LAUNCH", None)
     gen = fresh_generator()
-    want = set(parts.split(",")) if parts != "all" else {"gate", "up", "down"}
+    want = {"all": {"gate", "up", "down"}, "none": set()}.get(parts) or set(parts.split(","))
     gu, g, u = _gate_up(N, F, gen, dtype)
     dh = randn(N, F, g=gen, dtype=dtype)
     RP, s = _block_r(R), 2.0

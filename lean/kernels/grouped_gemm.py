@@ -38,6 +38,12 @@ gmm's grid: an upper bound of the M-tiles from P and E alone, (P + min(E, P) * (
 BLOCK_M (<= cdiv(P, BLOCK_M) + E), times the N-tiles, in gemm's grouped order. Each program loads
 offsets, counts every expert's tiles and their prefix in registers, finds the expert and rows it
 owns, and exits when past the last tile: no host read, so a step captures in a CUDA graph.
+Loads (W_DESC): where the arch table takes the Hopper path (gemm.tma_ok: 16-bit, TMA-describable,
+at least TMA_MIN_MACS multiply-adds or a step being captured), w's tiles come through one TMA
+descriptor over the experts stacked as (E*O, Kd) rows (w contiguous) or (E*Kd, O) rows (w the
+transpose of a contiguous weight), and x's through another when x is not gathered (a gathered x
+keeps its pointer loads); the products and their order are the pointer loop's, so y is the same
+bits (H100: 24 Qwen3-30B-A3B / gpt-oss-20b cases compared bitwise).
 gmm_wgrad: grid (tiles of dw[e], E); a program owns one (BLOCK_M, BLOCK_K) tile of one expert and
 walks that expert's rows BLOCK_T at a time. No atomics, no split: dw is bit-identical from run
 to run; an expert with no row leaves dw[e] untouched.
@@ -48,19 +54,21 @@ Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) u
 interpreter: P 1..37, odd O / Kd, E 1, 3, 8, empty experts (first, last, middle), all rows on one
 expert, gather_div 1/2/4, transposed w, LoRA, accumulate, per-expert bias (model dtype and fp32,
 with gather, LoRA, transposed w, accumulate), guard rows and columns around y and dw,
-every gather/scale combination of gmm_wgrad, bitwise repeatability. Its bf16 GPU test (Qwen3-30B-A3B
-sizes) has not run as a test yet; the same checks as a script did on an H100 (below). Every launch of
+every gather/scale combination of gmm_wgrad, bitwise repeatability; gmm's cases again on the
+descriptor loads (forced on the CPU; row strides padded to 16 bytes, odd sizes), whose tiles run
+into the neighbouring experts' rows. Its bf16 GPU test (Qwen3-30B-A3B sizes) passes on the H100. Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
 GPUTarget, as tools/arch_compile.py; at most 65,536 B on sm_86/120, 196,608 B on sm_90 (its timed
 128 x 256 tile), 131,088 B on sm_100).
 Speed (H100, bf16, tools/gmm_tune.py: triton do_bench, L2 flushed; 8192 tokens, zipf routing; the
 tile TUNED["sm_90"], against torch._grouped_mm on pre-gathered rows, + a second grouped GEMM and an
-add for the LoRA): Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 768) gate/up + LoRA 0.918 ms (1.15x
-torch), down + LoRA 0.530 (1.63x), dX + LoRA 0.835 (1.45x); gpt-oss-20b (P 32,768, E 32, C = F =
-2880) 2.130 (1.04x), 1.111 (1.07x), 1.736 (1.19x). The tier's 128 x 128 tile: 1.092 / 0.667 / 1.014
-and 2.632 / 1.290 / 2.140 ms. gmm_wgrad dA (gathered n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms.
+add for the LoRA), descriptor loads: Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 768) gate/up + LoRA
+0.840 ms (1.31x torch), down + LoRA 0.491 (1.75x), dX + LoRA 0.864 (1.42x), without LoRA gate/up
+0.792 (0.93x; pointer loads 0.878, 0.86x), down 0.440 (1.07x; 0.507), dX 0.808 (0.814); gpt-oss-20b
+(P 32,768, E 32, C = F = 2880) 1.932 (1.20x), 0.944 (1.29x), 1.938 (1.09x). gmm_wgrad dA (gathered
+n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms.
 gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the
-dtype, not a variant). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
+dtype and W_DESC the arch and the weight's layout, not variants). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
 mode) because GPT-OSS's gate_up and down both need it and dX accumulation may meet it; a fifth
 variant (MXFP4 weights) is a new kernel (lean/kernels/mxfp4.py's gmm_mxfp4). With BIAS, gpt-oss-20b's
 gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 on sm_80, 196,608 on sm_90.
@@ -80,7 +88,8 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile, interpret_config, interpret_big, interpreting
+from lean.kernels.gemm import (FLOATS, GROUP_M, grouped_tile, interpret_config, interpret_big, interpreting, tma_desc,
+                               tma_ok)
 
 MAX_E = 1024
 
@@ -134,6 +143,10 @@ def _gmm_kernel(
     GATHER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    W_DESC: tl.constexpr,                   # the Hopper loads (not a feature: the arch's path, as PRECISION
+                                            # is the dtype's): 0 pointers; 1 w_ptr a descriptor of w as
+                                            # (E*O, Kd) rows, 2 of w as (E*Kd, O) rows (w^T contiguous);
+                                            # with 1 or 2 and no GATHER, x_ptr a descriptor of x (P, Kd)
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, O, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end, total = _expert_of_tile(off_ptr, E, pid_m, BLOCK_M, BLOCK_E)
@@ -149,20 +162,39 @@ def _gmm_kernel(
     else:
         rx = rm
     e64 = e.to(tl.int64)
-    x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
-    w_ptrs = w_ptr + e64 * stride_we + rk[:, None] * stride_wk + rn.to(tl.int64)[None, :] * stride_wo
+    if W_DESC == 0 or GATHER:
+        x_ptrs = x_ptr + rx.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    if W_DESC == 0:
+        w_ptrs = w_ptr + e64 * stride_we + rk[:, None] * stride_wk + rn.to(tl.int64)[None, :] * stride_wo
     if LORA:                                # the LoRA term first, the main loop onto it (_lora_first)
         acc = _lora_first(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, e64, R, scale, stride_am, stride_ar,
                           stride_be, stride_bo, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, Kd, BLOCK_K):
-        k_ok = rk < Kd - k0
-        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)    # w[e]^T tile (BK, BN)
-        acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    if W_DESC == 0:
+        for k0 in range(0, Kd, BLOCK_K):
+            k_ok = rk < Kd - k0
+            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)    # w[e]^T tile (BK, BN)
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+    else:
+        # Descriptor tiles are not clipped to the expert: columns past O read the next expert's
+        # weight rows (mode 1) and rows past row_end the next expert's x rows, all into outputs the
+        # store masks; K past Kd reads zeros (mode 1, and x's descriptor) or the next expert's rows
+        # (mode 2) against x columns that are zero, gathered (masked) or not (the descriptor's edge).
+        for k0 in range(0, Kd, BLOCK_K):
+            if GATHER:
+                xt = tl.load(x_ptrs, mask=m_ok[:, None] & (rk < Kd - k0)[None, :], other=0.0)
+                x_ptrs += BLOCK_K * stride_xk
+            else:
+                xt = x_ptr.load([row0, k0])
+            if W_DESC == 1:
+                wt = w_ptr.load([e * O + pid_n * BLOCK_N, k0]).T                     # (BK, BN)
+            else:
+                wt = w_ptr.load([e * Kd + k0, pid_n * BLOCK_N])
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
     if BIAS:                                # the expert's bias row, in fp32
         acc += tl.load(bias_ptr + e64 * stride_biase + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -313,8 +345,9 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, ac
     tiles_m = (P + min(E, P) * (BM - 1)) // BM  # >= sum_e cdiv(rows_e, BM): sum of floors <= floor of sum
     BR = _pow2(R, 16, 64)
     nul = y  # unused pointer slots
+    mode, x_src, w_src = _loads(x, w, gather is not None, P * O * Kd, BM, BN, BK)
     _gmm_kernel[(tiles_m * triton.cdiv(O, BN),)](
-        y, x, w, offsets, gather if gather is not None else offsets,
+        y, x_src, w_src, offsets, gather if gather is not None else offsets,
         xa if xa is not None else nul, b if b is not None else nul, bias if bias is not None else nul,
         O, Kd, R, E, tiles_m, int(gather_div), float(scale),
         y.stride(0), x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -322,7 +355,25 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, ac
         bias.stride(0) if bias is not None else 0,
         GATHER=gather is not None, LORA=lora is not None, BIAS=bias is not None, ACCUMULATE=bool(accumulate),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, BLOCK_E=_pow2(E, 16, MAX_E), GROUP_M=GROUP_M,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W_DESC=mode, num_warps=warps, num_stages=stages)
+
+
+def _loads(x, w, gathered, macs, BM, BN, BK):
+    """(W_DESC, x source, w source): descriptors where the arch takes the Hopper path and the
+    operands are TMA-describable (gemm.tma_ok: 16-bit, 16-byte aligned rows, at least TMA_MIN_MACS
+    multiply-adds or a step being captured): w's experts stacked as (E*O, Kd) rows (w contiguous) or
+    (E*Kd, O) (w the transpose of a contiguous (E, Kd, O) weight), x's (P, Kd) rows when not
+    gathered (a gathered x keeps its pointer loads). Else (0, x, w): the pointer loop."""
+    E, O, Kd = w.shape
+    if w.stride(2) == 1 and w.stride(0) == O * w.stride(1):
+        mode, w2, block = 1, w.as_strided((E * O, Kd), (w.stride(1), 1)), (BN, BK)
+    elif w.stride(1) == 1 and w.stride(0) == Kd * w.stride(2):
+        mode, w2, block = 2, w.as_strided((E * Kd, O), (w.stride(2), 1)), (BK, BN)
+    else:
+        return 0, x, w
+    if not tma_ok(w2, *(() if gathered else (x,)), macs=macs):
+        return 0, x, w
+    return mode, x if gathered else tma_desc(x, (BM, BK)), tma_desc(w2, block)
 
 
 def gmm_wgrad(dw, a, b, offsets, *, gather_a=None, gather_b=None, gather_div=1, scale=None, alpha=1.0):

@@ -239,7 +239,7 @@ def swiglu_bwd_lora(dg, du, dh, g, u, *, scale, gate=None, up=None, down=None):
     tensors (dropout 0): gate = (db (F, R), xa (N, R)): db += scale * dg^T xa; up alike with du;
     down = (da (R, F), dyb (N, RP)): da += scale * dyb^T silu(g) u. db, da fp32 contiguous (+=:
     the caller zeroes them once a step); xa, dyb contiguous in the activation dtype. Each may be
-    None; with all three None this is swiglu_bwd. Returns nothing."""
+    None; with all three None it runs swiglu_bwd. Returns nothing."""
     check(g, "g", shape=(None, None), dtype=_DTYPES, last_contiguous=True)
     N, F = g.shape
     dev, dt = g.device, g.dtype
@@ -256,6 +256,8 @@ def swiglu_bwd_lora(dg, du, dh, g, u, *, scale, gate=None, up=None, down=None):
         check(down[1], "down dyb", shape=(N, RP), dtype=dt, device=dev, contiguous=True)
     if N == 0 or F == 0:
         return
+    if gate is None and up is None and down is None:  # nothing to sum (attention-only LoRA)
+        return swiglu_bwd(dg, du, dh, g, u)
     big = interpreting() and interpret_big(N, F, F)  # lora_linear_bwd_da's choice for the down dA
     BF, BT, warps, stages, chunk, S = lora_chunking(N, F, dev, big)
     parts = {k: torch.empty((S, F * (RP if k == "down" else R)), device=dev, dtype=torch.float32)

@@ -25,14 +25,8 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lean.kernels.gemm as G  # noqa: E402
+from gemm_tune import N_TOKENS, SHAPES, relerr  # noqa: E402  (the nine shapes, one list)
 
-N_TOKENS = 8192
-SHAPES = [  # (K, O, name)
-    (1024, 2048, "qwen3-0.6b q"), (1024, 1024, "qwen3-0.6b k/v"), (2048, 1024, "qwen3-0.6b o"),
-    (1024, 3072, "qwen3-0.6b gate/up"), (3072, 1024, "qwen3-0.6b down"),
-    (2048, 2048, "llama-1b q/o"), (2048, 512, "llama-1b k/v"), (2048, 8192, "llama-1b gate/up"),
-    (8192, 2048, "llama-1b down"),
-]
 CONFIGS = ["128x256x64w8s4", "128x256x64w8s3", "256x128x64w8s3", "128x128x64w4s3", "128x128x64w8s3",
            "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4"]
 FORMS = ["persist1", "persist2", "tile", "persist2nk"]
@@ -126,8 +120,8 @@ def main():
         x = torch.randn(N_TOKENS, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(O, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
         dy = torch.randn(N_TOKENS, O, device="cuda", dtype=torch.bfloat16)
-        y, ref = torch.empty(N_TOKENS, O, device="cuda", dtype=torch.bfloat16), torch.empty(N_TOKENS, O, device="cuda", dtype=torch.bfloat16)
-        dx, dref = torch.empty(N_TOKENS, K, device="cuda", dtype=torch.bfloat16), torch.empty(N_TOKENS, K, device="cuda", dtype=torch.bfloat16)
+        y, ref = (torch.empty(N_TOKENS, O, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dx, dref = (torch.empty(N_TOKENS, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         t_fwd = bench(lambda: torch.mm(x, w.t(), out=ref))
         t_bwd = bench(lambda: torch.mm(dy, w, out=dref))
         for form in forms:
@@ -138,7 +132,7 @@ def main():
                     out.fill_(float("nan"))
                     launch(form, cfg, out, *args_, sms)
                     torch.cuda.synchronize()
-                    err = ((out.float() - refo.float()).norm() / refo.float().norm()).item()
+                    err = relerr(out, refo)
                     if not err < 2e-2:
                         row.append(f"{cfg} BAD{err:.0e}")
                         continue

@@ -54,9 +54,9 @@ Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) u
 interpreter: P 1..37, odd O / Kd, E 1, 3, 8, empty experts (first, last, middle), all rows on one
 expert, gather_div 1/2/4, transposed w, LoRA, accumulate, per-expert bias (model dtype and fp32,
 with gather, LoRA, transposed w, accumulate), guard rows and columns around y and dw,
-every gather/scale combination of gmm_wgrad, bitwise repeatability; gmm's cases again on the
-descriptor loads (forced on the CPU; row strides padded to 16 bytes, odd sizes), whose tiles run
-into the neighbouring experts' rows. Its bf16 GPU test (Qwen3-30B-A3B sizes) passes on the H100. Every launch of
+every gather/scale combination of gmm_wgrad, bitwise repeatability; gmm's cases again on the descriptor
+loads (forced on the CPU; row strides padded to 16 bytes, odd sizes), their tiles running into the
+neighbouring experts' rows. Its bf16 GPU test (Qwen3-30B-A3B sizes) passes on the H100. Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
 GPUTarget, as tools/arch_compile.py; at most 65,536 B on sm_86/120, 196,608 B on sm_90 (its timed
 128 x 256 tile), 131,088 B on sm_100).
@@ -67,9 +67,9 @@ add for the LoRA), descriptor loads: Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 7
 0.792 (0.93x; pointer loads 0.878, 0.86x), down 0.440 (1.07x; 0.507), dX 0.808 (0.814); gpt-oss-20b
 (P 32,768, E 32, C = F = 2880) 1.932 (1.20x), 0.944 (1.29x), 1.938 (1.09x). gmm_wgrad dA (gathered
 n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms.
-gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the
-dtype and W_DESC the arch and the weight's layout, not variants). BIAS is a flag of its own rather than folded into ACCUMULATE (an epilogue
-mode) because GPT-OSS's gate_up and down both need it and dX accumulation may meet it; a fifth
+gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the dtype
+and W_DESC the arch and the weight's layout, not variants). BIAS is a flag of its own rather than folded
+into ACCUMULATE (an epilogue mode) because GPT-OSS's gate_up and down both need it and dX may meet it; a fifth
 variant (MXFP4 weights) is a new kernel (lean/kernels/mxfp4.py's gmm_mxfp4). With BIAS, gpt-oss-20b's
 gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 on sm_80, 196,608 on sm_90.
 Caution:

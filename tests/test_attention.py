@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lean.kernels.attention as attention_module
+import lean.kernels.attention_config as attention_config
 from lean.kernels.attention import attention_bwd, attention_fwd
 from lean.reference.attention import attention_ref, attention_sdpa
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -131,6 +132,45 @@ def test_attention_matches_references(case, dtype):
 def test_attention_tma_loops_match_references(case):
     # the loops' rows read through TMA descriptors (the interpreter runs them on the CPU)
     _check_case(CPU_CASES[case], LOWP, tma=True)
+
+
+# dk/dv split over a kv head's query heads (attention_config.DKDV_SPLIT), partials summed after
+SPLIT_CASES = {"gqa8_split2": ("gqa8", 2, False), "gqa8_split8_tma": ("gqa8", 8, True),
+               "gqa4_d80_split4": ("gqa4_d80_padded", 4, False), "gqa2_len0_len1_split2_tma": ("mixed_len0_len1", 2, True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOWP], ids=str)
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=str)
+def test_attention_dkdv_split_matches_references(case, dtype, monkeypatch):
+    base, split, tma = SPLIT_CASES[case]
+    spec = CPU_CASES[base]
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(spec[1] // spec[2], spec[3]): split})
+    if tma and dtype == torch.float32:
+        pytest.skip("the TMA loops take 16-bit inputs")
+    _check_case(spec, dtype, fused=tma, tma=tma)
+
+
+def test_attention_dkdv_split_options_and_scratch(monkeypatch):
+    # a window and sinks through the split; the scratch attention_bwd_scratch prices; a split
+    # that does not divide G is refused
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(4, 32): 2, (4, 64): 2})
+    lengths, H, KVH, D, window, sinks = OPTION_CASES["window3_sinks_gqa4"]
+    assert attention_config.dkdv_split(H // KVH, D) == 2 and attention_config.dkdv_split(H // KVH, D, window) == 1
+    _check_options_case((lengths, H, KVH, D, 0, sinks), LOWP)                  # split, with sinks
+    _check_options_case(OPTION_CASES["window3_sinks_gqa4"], LOWP)              # windowed: not split
+    assert attention_config.attention_bwd_scratch(100, 8, 2, 64) == 2 * 2 * 100 * 2 * 64 * 4
+    assert attention_config.attention_bwd_scratch(100, 8, 2, 64, window=3) == 0
+    assert attention_config.attention_bwd_scratch(100, 8, 4, 64) == 0          # G = 2: no split
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(4, 64): 3})
+    with pytest.raises(ValueError, match="must divide the group size 4"):
+        attention_config.dkdv_split(4, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_attention_dkdv_split_gpu(split, monkeypatch):
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(8, 128): split})
+    _check_case(GPU_CASES["200_docs_d128_gqa8"], LOWP)
 
 
 @pytest.mark.gpu

@@ -171,6 +171,20 @@ def test_offload_recompute_bitwise_and_peak_exact(arch, r, dropout, modes):
     _bitwise_and_peak_exact(model, lora, batch, modes, r, dropout)
 
 
+def test_offload_peak_exact_with_dkdv_split(monkeypatch):
+    """attention_bwd's dk/dv partials (a split over G = 4 query heads) make the step's peak: the
+    walk prices them at the attention moment."""
+    import lean.kernels.attention_config as attention_config
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(4, 32): 4})
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("qwen3", 2), gen)
+    lora = _lora(model, 4, 0.0, gen)
+    batch = _batch(model, gen, 40 + _randint(gen, 24))
+    plan = make_plan(model.config, batch.n_tokens, (U, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    assert "(attention)" in plan.peak_at, plan.peak_at
+    _bitwise_and_peak_exact(model, lora, batch, (U, K), 4, 0.0)
+
+
 def _bitwise_and_peak_exact(model, lora, batch, modes, r, dropout):
     """A keep step and a step under `modes`: the same loss and LoRA gradients bit for bit, each
     step's allocated peak equal to the walk's."""

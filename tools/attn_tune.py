@@ -4,6 +4,7 @@
     python tools/attn_tune.py --sweep          # also sweep BLOCK_M/BLOCK_N/warps/stages per kernel
     python tools/attn_tune.py --sweep --compile-only   # fill Triton's cache in parallel workers
     python tools/attn_tune.py --tma [--sweep]  # the TMA loops (a captured step's) and their table
+    python tools/attn_tune.py --split          # the backward at each dk/dv split (DKDV_SPLIT), per model
 
 Cases: N = 8192 tokens packed from documents with exponential lengths (mean 512, fixed seed), bench
 step's packed batch and 4 x 2048, for H=16/KVH=8/D=128 and H=32/KVH=8/D=64. FLOPs count causal work only:
@@ -216,6 +217,41 @@ def sweep(compile_only, workers, kernels=tuple(SWEEP)):
         print(f"sweep {kernel:<4} D={D:<3} {cfg}: {shown}{total}")
 
 
+# (H, KVH, D, window) of the models whose G = H // KVH the dk/dv split is for (DKDV_SPLIT)
+SPLIT_HEADS = {"qwen3-30b-a3b": (32, 4, 128, 0), "gpt-oss-20b": (64, 8, 64, 0),
+               "gpt-oss-20b window": (64, 8, 64, 128), "qwen3-8b": (32, 8, 128, 0),
+               "llama3.2-1b": (32, 8, 64, 0), "qwen3-0.6b": (16, 8, 128, 0)}
+
+
+def split_sweep():
+    """The backward (delta + dk/dv + dq) at each dk/dv split S dividing G, CUDA-graph medians of
+    the TMA loops (a captured step's path), on bench step's packed batch and 4 x 2048; dk/dv at
+    S > 1 against S = 1 (max |diff| / max |ref|: partial sums in another order)."""
+    for model, (H, KVH, D, window) in SPLIT_HEADS.items():
+        G = H // KVH
+        for name in ("bench_step", "4x2048"):
+            t = make(CASES[name], H, KVH, D)
+            A.attention_fwd(t["o"], t["lse"], t["q"], t["k"], t["v"], t["cu"], t["M"], t["scale"], window=window)
+            row, ref = [], None
+            for S in (1, 2, 4, 8):
+                if G % S:
+                    continue
+                A.dkdv_split = lambda group, head_dim, window=0, S=S: S  # the window layers too
+
+                def bwd():
+                    A.attention_bwd(t["dq"], t["dk"], t["dv"], t["delta"], t["do"], t["q"], t["k"], t["v"],
+                                    t["o"], t["lse"], t["cu"], t["M"], t["scale"], window=window, tma=True)
+                bwd()
+                got = torch.cat([t["dk"].float().flatten(), t["dv"].float().flatten()])
+                ref = got if ref is None else ref
+                diff = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = triton.testing.do_bench_cudagraph(bwd, rep=200, return_mode="median")
+                row.append(f"S={S} {ms:.3f} ms (diff {diff:.1e})")
+            print(f"split {model} H={H} KVH={KVH} D={D} window={window} {name}: " + " | ".join(row), flush=True)
+            del t
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -224,8 +260,13 @@ if __name__ == "__main__":
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="the sweep's kernels, comma-separated")
     ap.add_argument("--no-compare", action="store_true", help="skip the comparison with torch's flash")
     ap.add_argument("--tma", action="store_true", help="time (and sweep) the TMA loops: lean's path in a captured step")
+    ap.add_argument("--split", action="store_true", help="time the backward at each dk/dv split (DKDV_SPLIT)")
     args = ap.parse_args()
     TMA["on"] = args.tma
+    if args.split:
+        print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+        split_sweep()
+        sys.exit(0)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
     print("configs:", {k: table(k) for k in TABLES}, "(TMA loops)" if args.tma else "(pointer loops)")
     if args.sweep:

@@ -48,7 +48,10 @@ the same block sizes (tested). One difference: a non-finite value in a neighbour
 rows would reach dk/dv as 0 * inf -- the step's loss is non-finite then anyway.
 Deterministic: no atomics. dk/dv are computed per (key block, kv head), looping over the G query
 heads inside the program; dq is a second kernel that recomputes the scores (7 matmuls per tile pair
-in backward instead of the atomic version's 5). Two runs give bit-identical gradients.
+in backward instead of the atomic version's 5). Two runs give bit-identical gradients. At large G
+(attention_config.DKDV_SPLIT) SPLIT programs share a (key block, kv head), each taking every
+SPLIT-th query head and writing fp32 partial sums to a (2, SPLIT, N, KVH, D) scratch that
+_attention_bwd_dkdv_sum_kernel adds in split order: the longest program is SPLIT times shorter.
 
 Launches: the forward has five constexpr switches (PRECISION, TMA, SORTED, SINKS, WINDOW: the
 window is a constexpr, compiled per size; GPT-OSS has one, 128), the backward kernels four (no
@@ -86,7 +89,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, grid, interpreting
+from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, dkdv_split, grid, interpreting
 from lean.kernels.gemm import in_tma_at_every_size, tma_desc, tma_ok
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2)
@@ -347,23 +350,26 @@ def _attention_bwd_delta_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    dk_ptr, dv_ptr,                                  # outputs: (N, KVH, D) each
+    dk_ptr, dv_ptr, part_ptr,                        # outputs: (N, KVH, D) each, or (2, SPLIT, N, KVH, D) fp32
     do_src, q_src, k_ptr, v_ptr,                     # (N, H, D) x2, (N, KVH, D) x2
     lse_ptr, delta_ptr, cu_ptr,                      # (H, N) fp32 x2, (B+1,) int32
     stride_dkn, stride_dkh, stride_dvn, stride_dvh, stride_don, stride_doh,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    N, B, GROUP, scale,
+    N, B, GROUP, KVH, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: do_src, q_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid (below)
     WINDOW: tl.constexpr,                            # sliding window (0: off); sinks live in lse
+    SPLIT: tl.constexpr,                             # programs per kv head; > 1: fp32 partials in part_ptr
 ):
     if SORTED:  # heads on axis 0: every kv head's item t launches together, longest documents first
         pid_n, seq_start, seqlen = _work_item(tl.program_id(1), cu_ptr, B, BLOCK_N, BLOCK_B, False, True)
-        kvh = tl.program_id(0)
+        head = tl.program_id(0)
     else:       # items on axis 0, each document's first key block (the most work) first
         pid_n, seq_start, seqlen = _work_item(tl.program_id(0), cu_ptr, B, BLOCK_N, BLOCK_B, False, False)
-        kvh = tl.program_id(1)
+        head = tl.program_id(1)
+    kvh = head // SPLIT                              # SPLIT > 1: this program takes the query heads
+    part = head % SPLIT                              # g = part, part + SPLIT, ... of its kv head
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen:
         return
@@ -378,7 +384,7 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     full, hi = _query_blocks(start_n, seqlen, BLOCK_M, BLOCK_N, WINDOW)
-    for g in range(GROUP):                           # the query heads sharing this kv head
+    for g in range(part, GROUP, SPLIT):              # the query heads sharing this kv head
         h = kvh * GROUP + g
         if TMA:
             q_base, do_base = q_src, do_src
@@ -402,10 +408,42 @@ def _attention_bwd_dkdv_kernel(
                                     qk_scale, HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
     mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = dk_ptr + tok0 * stride_dkn + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = dv_ptr + tok0 * stride_dvn + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+    if SPLIT > 1:  # part_ptr (2, SPLIT, N, KVH, D) fp32: dk's unscaled partial sums, then dv's
+        p_ptrs = part_ptr + ((part * N + tok0 + offs_n[:, None]) * (KVH * HEAD_DIM)
+                             + kvh * HEAD_DIM + offs_d[None, :])
+        tl.store(p_ptrs, dk, mask=mask)
+        tl.store(p_ptrs + N.to(tl.int64) * (SPLIT * KVH * HEAD_DIM), dv, mask=mask)
+    else:
+        dk_ptrs = dk_ptr + tok0 * stride_dkn + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+        dv_ptrs = dv_ptr + tok0 * stride_dvn + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+        tl.store(dk_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attention_bwd_dkdv_sum_kernel(
+    dk_ptr, dv_ptr,                                  # outputs: (N, KVH, D) each
+    part_ptr,                                        # (2, SPLIT, N, KVH, D) fp32: dk's partials, dv's
+    stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    N, KVH, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """dk = scale * (sum of dk's SPLIT partials), dv = sum of dv's, each summed in split order."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < N) & (offs_d[None, :] < HEAD_DIM)
+    plane = N.to(tl.int64) * (KVH * HEAD_DIM)        # one partial
+    src = part_ptr + rows[:, None] * (KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
+    dk = tl.load(src, mask=mask, other=0.0)
+    dv = tl.load(src + SPLIT * plane, mask=mask, other=0.0)
+    for s in range(1, SPLIT):
+        dk += tl.load(src + s * plane, mask=mask, other=0.0)
+        dv += tl.load(src + (SPLIT + s) * plane, mask=mask, other=0.0)
+    tl.store(dk_ptr + rows[:, None] * stride_dkn + kvh * stride_dkh + offs_d[None, :],
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + rows[:, None] * stride_dvn + kvh * stride_dvh + offs_d[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -605,13 +643,19 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
     use_tma = _use_tma(tma, D, q, k, v, do)
     BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
-    _attention_bwd_dkdv_kernel[grid("dkdv", KVH, _n_items(N, B, max_seqlen, BLOCK_N))](
-        dk, dv, do_src, q_src, k, v, lse, delta, cu_seqlens,
+    S = dkdv_split(H // KVH, D, window)
+    part = torch.empty((2, S, N, KVH, D), dtype=torch.float32, device=dev) if S > 1 else dk  # dk, dv partials
+    _attention_bwd_dkdv_kernel[grid("dkdv", KVH * S, _n_items(N, B, max_seqlen, BLOCK_N))](
+        dk, dv, part, do_src, q_src, k, v, lse, delta, cu_seqlens,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        N, B, H // KVH, float(scale),
+        N, B, H // KVH, KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=SORTED["dkdv"], WINDOW=window, num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dkdv"], WINDOW=window, SPLIT=S, num_warps=warps, num_stages=stages)
+    if S > 1:
+        _attention_bwd_dkdv_sum_kernel[(triton.cdiv(N, block_r), KVH)](
+            dk, dv, part, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), N, KVH, float(scale),
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, SPLIT=S, num_warps=4)
 
     BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)

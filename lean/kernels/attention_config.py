@@ -75,6 +75,39 @@ TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
 # within noise elsewhere.
 SORTED = {"fwd": False, "dkdv": True, "dq": True}
 DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
+# dk/dv programs per key block and kv head, by (G, D): G = H // KVH query heads per kv head, D the
+# head dim. A program walks the query blocks of its key block's document once per query head it
+# takes, so at large G the first key block of the longest document is the longest program of the
+# kernel and finishes alone. SPLIT programs take every SPLIT-th query head each and write fp32
+# partial sums, which a second pass adds in split order (deterministic; 2 * SPLIT * N * KVH * D * 4
+# bytes of scratch: attention_bwd_scratch). Missing: 1 (no partials). Evidence, `python
+# tools/attn_tune.py --split` on the H100 (TMA loops, CUDA-graph medians of delta + dk/dv + dq, bench
+# step's packed batch | 4 x 2048), ms at S = 1 / 2 / 4 / 8:
+#   (32, 4, 128) Qwen3-30B-A3B: 1.327 / 1.098 / 1.139 / 1.234 | 1.435 / 1.239 / 1.304 / 1.388
+#   (64, 8, 64)  gpt-oss-20b:   1.317 / 1.344 / 1.385 / 1.487 | 1.452 / 1.491 / 1.540 / 1.636
+#                its window 128: 0.612 / 0.652 / 0.718 / 0.838 (window layers never split)
+#   (32, 8, 128) Qwen3-8B 1.079 / 1.148 / 1.248; (32, 8, 64) Llama-3.2-1B 0.666 / 0.700 / 0.749;
+#   (16, 8, 128) Qwen3-0.6B 0.550 / 0.629 (4 x 2048 alike)
+# At D = 64 a program's steps are half as long and the kernel is busy enough without the split.
+DKDV_SPLIT = {(8, 128): 2}
+if os.environ.get("LEAN_DKDV_SPLIT") is not None:  # "G:D:S,..." replaces the table ("" empties it): experiments
+    DKDV_SPLIT = {(int(g), int(d)): int(s) for g, d, s in
+                  (kv.split(":") for kv in os.environ["LEAN_DKDV_SPLIT"].split(",") if kv)}
+
+
+def dkdv_split(group, head_dim, window=0):
+    """Programs per kv head of the dk/dv kernel, a divisor of group (every dtype, the interpreter
+    too). A sliding window keeps every program short (its key block meets ~window rows): 1."""
+    s = 1 if window else DKDV_SPLIT.get((group, head_dim), 1)
+    if group % s:
+        raise ValueError(f"attention DKDV_SPLIT[{group, head_dim}] = {s} must divide the group size {group}")
+    return s
+
+
+def attention_bwd_scratch(n_tokens, n_heads, n_kv_heads, head_dim, window=0):
+    """Bytes attention_bwd allocates besides its arguments: the dk/dv partials (DKDV_SPLIT)."""
+    s = dkdv_split(n_heads // n_kv_heads, head_dim, window)
+    return 2 * s * n_tokens * n_kv_heads * head_dim * 4 if s > 1 else 0
 
 
 def interpreting():

@@ -82,7 +82,8 @@ moment, the rows the finished layers hold, the working layer's forward or rebuil
 allocation (forward_events: a layer rebuilt later lets each row go once its forward is done with
 it, and writes act over gate), its gradient buffers (MLP_MOMENTS, or MLP_MOMENTS_FUSED without
 dropout, then ATTENTION_MOMENTS; dense.py frees each when dead), the kernels' own scratch
-(lora_linear_bwd's dy B and partial sums, swiglu_bwd_lora's partials, linear_ce's logits chunk)
+(lora_linear_bwd's dy B and partial sums, swiglu_bwd_lora's partials, attention_bwd's dk/dv
+partials, linear_ce's logits chunk)
 and the lm_head/loss buffers. Budgets compare
 with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
 memory and its 512-byte rounding are not counted).
@@ -102,6 +103,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from ..kernels.arch import arch
+from ..kernels.attention_config import attention_bwd_scratch
 from ..kernels.gemm import interpret_big, interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.gemm_splitk import splitk_workspace_bytes
@@ -243,7 +245,7 @@ MLP_MOMENTS_FUSED = (
 )
 ATTENTION_MOMENTS = (  # an MoE layer's backward ends with these too (moe_backward_events before them)
     ("o", ("do",), (), "all", ("o",)),
-    ("attention", ("do", "dq", "dk", "dv", "delta"), (), "", ()),
+    ("attention", ("do", "dq", "dk", "dv", "delta"), (), "attention", ()),  # + the dk/dv partials
     ("qk-norm", ("dq", "dk", "dv", "dq_pre", "dk_pre"), (), "", ()),
     ("q", ("dq", "dk", "dv", "dn1"), (), "dx", ("q",)),  # dq, dk: dq_pre, dk_pre with QK-norm
     ("k", ("dq", "dk", "dv", "dn1"), ("q",), "dx", ("k",)),
@@ -621,6 +623,8 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
             extra = sum(k.scratch[t]["dyb"] for t in waiting if t in k.scratch)
             sizes = [k.scratch[t][runs] for t in projs if t in k.scratch]
             extra += sum(sizes) if runs in ("dA", "swiglu") and lora_dropout == 0.0 else max(sizes, default=0)
+            if runs == "attention":  # attention_bwd's own scratch
+                extra += attention_bwd_scratch(N, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.window(li))
             at(f"backward of layer {li} ({name})", held + base + cur + sum(k.grads[g] for g in live) + extra)
     return best[0], best[1]
 

@@ -8,10 +8,10 @@ import torch
 import lean
 from lean.kernels.gemm import tma_at_every_size
 from lean.models.presets import PRESETS
-from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.reference.hf_peft import hf_loss_and_grads, lean_token_losses, peft_wrap
 from lean.reference.mxfp4 import mxfp4_dequant_ref, mxfp4_quantize_ref
 from lean.reference.rule import l2_rule
-from tests.util import fresh_seed
+from tests.util import check_step_loss, fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -48,8 +48,8 @@ def _hf(config, seed):
 def _hf_step(hf, lora, docs):
     """HF + PEFT's loss and gradients, brought to the host (the GPU's memory freed for the next)."""
     pm = peft_wrap(hf, lora)
-    loss, n, grads = hf_loss_and_grads(pm, docs, device="cuda")
-    out = loss.cpu(), n, {k: v.cpu() for k, v in grads.items()}
+    loss, n, grads, tokens = hf_loss_and_grads(pm, docs, device="cuda", token_losses=True)
+    out = loss.cpu(), n, {k: v.cpu() for k, v in grads.items()}, tokens.cpu()
     del pm, grads
     torch.cuda.empty_cache()
     return out
@@ -84,26 +84,28 @@ def test_gpt_oss_step_bf16_20b_shapes(mxfp4):
     lora.sync_lowp()
     docs = _docs(rng, model.config.vocab, 512, mean=150)
     lora.zero_grad()
-    loss, n = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=512, device="cuda"))
+    batch = lean.pack(docs, max_tokens=512, device="cuda")
+    loss, n = lean.forward_backward(model, lora, batch)
     ours = {k: v.cpu() for k, v in lora.grad_state_dict().items()}
     loss = loss.cpu()
+    tokens = lean_token_losses(model, lora, batch).cpu()
     lora_cpu = lean.LoRA.init(lean.model_from_tensors(config, {k: v for k, v in sd.items()}, dtype=torch.float32,
                                                       device="cpu"), r=16, alpha=32, seed=seed)
     lora_cpu.params.copy_(lora.params.cpu())
     lora_cpu.sync_lowp()
     del model, lora
     torch.cuda.empty_cache()  # HF's fp32 step with PEFT's expert deltas needs the room
-    ref_loss, ref_n, ref_grads = _hf_step(hf.cuda(), lora_cpu, docs)
+    ref_loss, ref_n, ref_grads, ref_tokens = _hf_step(hf.cuda(), lora_cpu, docs)
     del hf
     torch.cuda.empty_cache()
     hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation="eager")
     hf16.load_state_dict(sd)
     for p in hf16.parameters():
         p.data = p.data.to(torch.bfloat16)
-    lp_loss, _, lp_grads = _hf_step(hf16.cuda().eval(), lora_cpu, docs)
+    lp_loss, _, lp_grads, lp_tokens = _hf_step(hf16.cuda().eval(), lora_cpu, docs)
     assert n == ref_n
-    v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name="loss")
-    assert v.ok, v.text
+    v = check_step_loss(loss, tokens, ref_tokens, lp_tokens)
+    print(v.text, f"(summed: lean {loss.item():.4f}, HF bf16 {lp_loss.item():.4f}, HF fp32 {ref_loss.item():.4f})")
     worst = []
     for k, ref in ref_grads.items():
         v = l2_rule(ours[k], ref, lp_grads[k], name=k)

@@ -11,10 +11,10 @@ from lean.kernels import attention, gemm, gemm_splitk, lora_linear_pre
 from lean.kernels.gemm import tma_at_every_size
 from lean.models.config import config_from_hf
 from lean.models.weights import empty_model
-from lean.reference.hf_peft import hf_loss_and_grads, peft_wrap
+from lean.reference.hf_peft import hf_loss_and_grads, lean_token_losses, peft_wrap
 from lean.reference.rule import l2_rule
 from tests.hf_models import build_hf, tiny_config
-from tests.util import DEVICE, fresh_generator
+from tests.util import DEVICE, check_step_loss, fresh_generator
 
 QWEN3_06B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
@@ -89,17 +89,18 @@ def _bf16_step_within_the_rule(config, seed, make_docs, max_tokens):
     lora.zero_grad()
     loss, n = lean.forward_backward(model, lora, batch)
     ours = {k: v.clone() for k, v in lora.grad_state_dict().items()}
+    tokens = lean_token_losses(model, lora, batch)
 
     pm = peft_wrap(hf.cuda(), lora)
-    ref_loss, ref_n, ref_grads = hf_loss_and_grads(pm, docs, device="cuda")
+    ref_loss, ref_n, ref_grads, ref_tokens = hf_loss_and_grads(pm, docs, device="cuda", token_losses=True)
     hf16 = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     hf16.load_state_dict(sd)
     pm16 = peft_wrap(_params_to(hf16, torch.bfloat16).cuda().eval(), lora)  # PEFT keeps the adapters in fp32
     assert all(b.dtype == torch.float32 for b in pm16.buffers() if b.is_floating_point())
-    lp_loss, _, lp_grads = hf_loss_and_grads(pm16, docs, device="cuda")
+    lp_loss, _, lp_grads, lp_tokens = hf_loss_and_grads(pm16, docs, device="cuda", token_losses=True)
     assert n == ref_n
-    v = l2_rule(loss.reshape(1), ref_loss.reshape(1), lp_loss.reshape(1), name="loss")
-    assert v.ok, v.text
+    v = check_step_loss(loss, tokens, ref_tokens, lp_tokens)
+    print(v.text, f"(summed: lean {loss.item():.4f}, HF bf16 {lp_loss.item():.4f}, HF fp32 {ref_loss.item():.4f})")
     worst = []
     for k, ref in ref_grads.items():
         v = l2_rule(ours[k], ref, lp_grads[k], name=k)

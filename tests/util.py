@@ -63,3 +63,15 @@ def assert_close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out")
     """The project's tolerance rule (lean/reference/rule.py's close_rule, by out's dtype), asserted."""
     v = close_rule(out, ref, lowp, atol=atol, rtol32=rtol32, name=name)
     assert v.ok, v.text
+
+
+
+def check_step_loss(loss, tokens, ref_tokens, lowp_tokens):
+    """Asserts lean.reference.hf_peft.step_loss_verdicts (the summed loss against the step's own
+    token losses, and those within the rule per token); returns the per-token verdict."""
+    from lean.reference.hf_peft import step_loss_verdicts
+
+    verdicts = step_loss_verdicts(loss, tokens, ref_tokens, lowp_tokens)
+    for v in verdicts:
+        assert v.ok, v.text
+    return verdicts[-1]

@@ -5,8 +5,9 @@ The comparison (lean/reference/hf_peft.py's oracle: each document alone through 
 summed losses over the target count, torch.autograd) and its rule are the tests':
   float32 (the CPU):  the loss within 1e-5 and every LoRA gradient within 1e-4 of max|ref|
                       (tests/test_step.py);
-  bf16 (a GPU):       the loss and every LoRA gradient within 2x HF+PEFT-in-bf16's relative L2 error
-                      + 1e-3 of the fp32 HF+PEFT reference (tests/test_step_gpu.py).
+  bf16 (a GPU):       every LoRA gradient, and the loss per token, within 2x HF+PEFT-in-bf16's
+                      relative L2 error + 1e-3 of the fp32 HF+PEFT reference, the summed loss equal
+                      to its token losses (tests/test_step_gpu.py; reference/hf_peft.step_loss_verdicts).
 The adapter is PEFT's initialisation plus N(0, 0.02) on every parameter, so B (zero at init) is
 not zero and no gradient is trivially right; a zero reference gradient fails the check.
 
@@ -26,6 +27,7 @@ import torch
 
 import lean
 
+from ..reference.hf_peft import lean_token_losses, step_loss_verdicts
 from ..reference.rule import Verdict, close_rule, exact_rule, l2_rule
 from .model import hf_model
 
@@ -55,14 +57,14 @@ def have_oracle():
 
 
 def _oracle(src, model, lora, docs, dtype):
-    """HF + PEFT's (loss sum, target count, LoRA grads) with the model's weights in dtype."""
+    """HF + PEFT's (loss sum, target count, LoRA grads, per-token losses) with the model's weights in dtype."""
     from ..reference.hf_peft import hf_loss_and_grads, peft_wrap
 
     with warnings.catch_warnings():  # transformers' and peft's deprecation notes are not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         pm = peft_wrap(hf_model(src, model, dtype, model.device), lora)
-        return hf_loss_and_grads(pm, docs, model.device)
+        return hf_loss_and_grads(pm, docs, model.device, token_losses=True)
 
 
 def _short(key):
@@ -77,17 +79,18 @@ def check_step(report, src, model, lora, docs, n):
     dev, dtype = model.device, model.dtype
     lora.zero_grad()
     t0 = time.perf_counter()
-    loss, count = lean.forward_backward(model, lora, lean.pack(docs, max_tokens=n, device=dev))
+    batch = lean.pack(docs, max_tokens=n, device=dev)
+    loss, count = lean.forward_backward(model, lora, batch)
     wall = time.perf_counter() - t0  # (a GPU's first step compiles: its time is not printed)
     ours = {k: v.clone() for k, v in lora.grad_state_dict().items()}
-    ref_loss, ref_count, ref = _oracle(src, model, lora, docs, torch.float32)
+    ref_loss, ref_count, ref, ref_tokens = _oracle(src, model, lora, docs, torch.float32)
     head = [exact_rule(torch.tensor([count]), torch.tensor([ref_count]), name="targets")]
     if dtype == torch.float32:
         head.append(close_rule(loss.reshape(1), ref_loss.reshape(1), name="loss"))
         grads = [close_rule(ours[k], r, rtol32=1e-4, name=_short(k)) for k, r in ref.items()]
     else:
-        low_loss, _, low = _oracle(src, model, lora, docs, dtype)
-        head.append(l2_rule(loss.reshape(1), ref_loss.reshape(1), low_loss.reshape(1), name="loss"))
+        _, _, low, low_tokens = _oracle(src, model, lora, docs, dtype)  # the loss per token (step_loss_verdicts)
+        head += step_loss_verdicts(loss, lean_token_losses(model, lora, batch), ref_tokens, low_tokens)
         grads = [l2_rule(ours[k], r, low[k], name=_short(k)) for k, r in ref.items()]
     grads += [Verdict(False, 0.0, 0.0, f"{k}: the reference gradient is zero: the check would be vacuous")
               for k, r in ref.items() if not r.abs().max() > 0]

@@ -198,14 +198,17 @@ WGRAD_CASES = [(ga, gb, sc) for ga in (False, True) for gb in (False, True) for 
 
 
 @pytest.mark.parametrize("ga,gb,scaled", WGRAD_CASES, ids=[f"ga{int(a)}-gb{int(b)}-s{int(s)}" for a, b, s in WGRAD_CASES])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gmm_wgrad(dtype, ga, gb, scaled):
+@pytest.mark.parametrize("dtype,split", [(d, 1) for d in DTYPES] + [(d, 3) for d in DTYPES], ids=str)
+def test_gmm_wgrad(dtype, split, ga, gb, scaled, monkeypatch):
     """dw += alpha * sum (s a)^T b per expert, as views into one flat fp32 buffer with guards: the
     guards and the empty experts keep their bits. Tight even for fp16 inputs: the reference
-    multiplies the same 16-bit values (and s_p * a rounded as the kernel rounds it) in fp64."""
+    multiplies the same 16-bit values (and s_p * a rounded as the kernel rounds it) in fp64.
+    split 3: each expert's rows in three runs of whole steps (some empty), partials summed after."""
+    monkeypatch.setattr(GG, "WGRAD_SPLIT", split)
     g = fresh_generator()
-    P, E, div = 37, 8, 4 if ga else 2
+    P, E, div = 37 if split == 1 else 157, 8, 4 if ga else 2  # split: ~26 rows an expert, 2 of 3 runs used
     M, Kd = ((5, 67) if (ga + gb + scaled) % 2 else (93, 16))
+    assert GG.wgrad_split(M, Kd) == split
     counts = _counts(P, E, "ends", g)
     offsets = _offsets(counts)
     X = -(-P // div)
@@ -227,9 +230,11 @@ def test_gmm_wgrad(dtype, ga, gb, scaled):
         assert torch.equal(dw[e], before[5:5 + E * M * Kd].view(E, M, Kd)[e]), f"empty expert {e} changed"
 
 
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("P,E,layout", [(1, 1, "random"), (37, 3, "one"), (7, 8, "random")])
-def test_gmm_wgrad_edges(P, E, layout):
+def test_gmm_wgrad_edges(P, E, layout, split, monkeypatch):
     """One row, all rows on one expert, more experts than rows; bit-identical on a second run."""
+    monkeypatch.setattr(GG, "WGRAD_SPLIT", split)
     g = fresh_generator()
     offsets = _offsets(_counts(P, E, layout, g))
     a, b = randn(P, 16, g=g, dtype=LOWP), randn(P, 45, g=g, dtype=LOWP)

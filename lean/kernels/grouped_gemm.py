@@ -44,9 +44,11 @@ descriptor over the experts stacked as (E*O, Kd) rows (w contiguous) or (E*Kd, O
 transpose of a contiguous weight), and x's through another when x is not gathered (a gathered x
 keeps its pointer loads); the products and their order are the pointer loop's, so y is the same
 bits (H100: 24 Qwen3-30B-A3B / gpt-oss-20b cases compared bitwise).
-gmm_wgrad: grid (tiles of dw[e], E); a program owns one (BLOCK_M, BLOCK_K) tile of one expert and
-walks that expert's rows BLOCK_T at a time. No atomics, no split: dw is bit-identical from run
-to run; an expert with no row leaves dw[e] untouched.
+gmm_wgrad: grid (tiles of dw[e], E, S); a program owns one (BLOCK_M, BLOCK_K) tile of one expert and
+walks that expert's rows BLOCK_T at a time: all of them (S = 1), or one of S runs of whole steps,
+writing an fp32 partial that _gmm_wgrad_sum_kernel adds to dw in run order (S = wgrad_split: the
+busiest expert's rows over S programs). No atomics: dw is bit-identical from run to run; an expert
+with no row leaves dw[e] untouched.
 
 Supported: E <= 1024, any P, O, Kd, R, M >= 0; bf16/fp16 on the tensor cores with fp32
 accumulation, fp32 with exact IEEE products (input_precision="ieee"), the correctness path.
@@ -75,13 +77,17 @@ gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 
 Caution:
   - y must not alias x, xa, w, b or bias. The kernels trust offsets (sorted, offsets[E] = P) and the
     gathers (every r(p) < X): nothing on the device checks them.
-  - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows.
+  - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows, or a run
+    of them where dw[e] is small (wgrad_split); the wide dw[e] of the other calls stay unsplit (the
+    partials' writes and sum cost more there than the tail: measured at WGRAD_SPLIT's note).
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
   - gmm's tile on the H100 (TUNED["sm_90"]) is timed: tools/gmm_tune.py, 128 x 256 x 64, 8 warps, 4
     stages won the eight cases of gpt-oss-20b and Qwen3-30B-A3B without LoRA (1.14-1.26x the tier's
     128 x 128) and the six with it (1.16-1.26x, the LoRA summed first);
     the tiers (sm90 on a B200, sm80, sm86) are chosen to fit, not timed.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -209,10 +215,12 @@ def _gmm_wgrad_kernel(
     dw_ptr,                                 # (E, M, Kd) fp32 contiguous, accumulated
     a_ptr, b_ptr, off_ptr,                  # a (rows, M), b (rows, Kd) strided; offsets (E+1,)
     ga_ptr, gb_ptr, svec_ptr, sidx_ptr,     # gathers (P,) int32; scale vec (P,), index (P,) int32
+    part_ptr,                               # SPLIT > 1: (SPLIT, E, M, Kd) fp32 partial sums, written
     M, Kd, gather_div, alpha,
     stride_at, stride_am, stride_bt, stride_bk,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,                    # programs per (tile, expert), each a run of its rows
 ):
     e = tl.program_id(1)
     tiles_k = tl.cdiv(Kd, BLOCK_K)
@@ -222,6 +230,10 @@ def _gmm_wgrad_kernel(
     k_ok = rk < Kd
     start = tl.load(off_ptr + e)
     end = tl.load(off_ptr + e + 1)
+    if SPLIT > 1:  # run s of the expert's rows: cdiv(rows, SPLIT) rounded up to whole BLOCK_T steps
+        run = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_T) * BLOCK_T
+        start = tl.minimum(start + tl.program_id(2) * run, end)
+        end = tl.minimum(start + run, end)
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):   # the expert's rows in order: a fixed summation order
         rt = t0 + tl.arange(0, BLOCK_T)
@@ -240,10 +252,35 @@ def _gmm_wgrad_kernel(
         bt = tl.load(b_ptr + rb.to(tl.int64)[:, None] * stride_bt + rk[None, :] * stride_bk,
                      mask=t_ok[:, None] & k_ok[None, :], other=0.0)             # (BT, BK)
         acc = tl.dot(at, bt, acc, input_precision=PRECISION)
-    dw_ptrs = dw_ptr + e.to(tl.int64) * M * Kd + rm.to(tl.int64)[:, None] * Kd + rk[None, :]
-    mask = m_ok[:, None] & k_ok[None, :] & (end > start)                        # no row: dw[e] untouched
-    dw = tl.load(dw_ptrs, mask=mask, other=0.0)
-    tl.store(dw_ptrs, dw + alpha * acc, mask=mask)
+    if SPLIT > 1:  # every run writes its partial (an empty run: zeros); _gmm_wgrad_sum_kernel adds them
+        slab = tl.program_id(2) * tl.num_programs(1) + e
+        p_ptrs = part_ptr + slab.to(tl.int64) * M * Kd + rm.to(tl.int64)[:, None] * Kd + rk[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & k_ok[None, :])
+    else:
+        dw_ptrs = dw_ptr + e.to(tl.int64) * M * Kd + rm.to(tl.int64)[:, None] * Kd + rk[None, :]
+        mask = m_ok[:, None] & k_ok[None, :] & (end > start)                    # no row: dw[e] untouched
+        dw = tl.load(dw_ptrs, mask=mask, other=0.0)
+        tl.store(dw_ptrs, dw + alpha * acc, mask=mask)
+
+
+@triton.jit
+def _gmm_wgrad_sum_kernel(
+    dw_ptr,                                 # (E, M, Kd) fp32 contiguous, accumulated
+    part_ptr, off_ptr,                      # (SPLIT, E, M, Kd) fp32 partials; offsets (E+1,)
+    size, alpha,                            # size = M * Kd
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dw[e] += alpha * (sum of expert e's SPLIT partials, in run order); no row: dw[e] untouched."""
+    e = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = (i < size) & (tl.load(off_ptr + e + 1) > tl.load(off_ptr + e))
+    src = part_ptr + e.to(tl.int64) * size + i
+    plane = tl.num_programs(1).to(tl.int64) * size  # one run's (E, M, Kd) partials
+    acc = tl.load(src, mask=ok, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(src + s * plane, mask=ok, other=0.0)
+    dst = dw_ptr + e.to(tl.int64) * size + i
+    tl.store(dst, tl.load(dst, mask=ok, other=0.0) + alpha * acc, mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +302,17 @@ TILES = {
 # with it. Not for sm_100, which reads the sm90 tier: ptxas-blackwell fails on this tile with LoRA
 # (tools/arch_compile.py; with the LoRA's own accumulator, as before the change).
 TUNED = {"sm_90": (128, 256, 64, 8, 4)}
+# gmm_wgrad's runs per expert (wgrad_split) where dw[e] is small (M * Kd <= WGRAD_SPLIT_MAX_DW):
+# there the partials cost little and the busiest expert's rows set the time. H100, `LEAN_WGRAD_SPLIT=S
+# python tools/bench.py kernels --only moe` (Qwen3-30B-A3B, P 65,536, E 128, Zipf(0.5) routing:
+# busiest expert 2,749 rows, mean 512), ms at S = 1 / 2 / 4 / 8 for every call:
+#   down dA   (M 16,   Kd 768)  0.139 / 0.100 / 0.091 / 0.104   (torch._grouped_mm 0.060)
+#   down dB   (M 2048, Kd 16)   0.178 / 0.178 / 0.205 / 0.258
+#   gate_up dB (M 1536, Kd 32)  0.088 / 0.121 / 0.157 / 0.236
+#   gate_up dA (M 32,  Kd 2048) 0.108 / 0.144 / 0.188 / 0.276
+WGRAD_SPLIT = int(os.environ.get("LEAN_WGRAD_SPLIT", "4"))  # the env: experiments (tools/bench.py kernels)
+WGRAD_SPLIT_MAX_DW = 16384
+_SUM_BLOCK = 1024                 # elements per program of _gmm_wgrad_sum_kernel (memory-bound)
 _FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
 _INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
 
@@ -402,12 +450,30 @@ def gmm_wgrad(dw, a, b, offsets, *, gather_a=None, gather_b=None, gather_div=1, 
     if M == 0 or Kd == 0 or P == 0:
         return
     BM, BK, BT, warps, stages = _wgrad_config(M, Kd, a.dtype, a.device)
-    _gmm_wgrad_kernel[(triton.cdiv(M, BM) * triton.cdiv(Kd, BK), E)](
+    S = wgrad_split(M, Kd)
+    part = torch.empty((S, E, M, Kd), dtype=torch.float32, device=a.device) if S > 1 else dw  # (S, E, M, Kd)
+    _gmm_wgrad_kernel[(triton.cdiv(M, BM) * triton.cdiv(Kd, BK), E, S)](
         dw, a, b, offsets,
         *(t if t is not None else offsets for t in (gather_a, gather_b)),
-        vec if vec is not None else dw, idx if idx is not None else offsets,
+        vec if vec is not None else dw, idx if idx is not None else offsets, part,
         M, Kd, int(gather_div), float(alpha),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         GATHER_A=gather_a is not None, GATHER_B=gather_b is not None, SCALE=scale is not None,
         BLOCK_M=BM, BLOCK_K=BK, BLOCK_T=BT, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        SPLIT=S, num_warps=warps, num_stages=stages)
+    if S > 1:
+        _gmm_wgrad_sum_kernel[(triton.cdiv(M * Kd, _SUM_BLOCK), E)](
+            dw, part, offsets, M * Kd, float(alpha), SPLIT=S, BLOCK=_SUM_BLOCK, num_warps=4)
+
+
+def wgrad_split(M, Kd):
+    """gmm_wgrad's programs per (tile, expert), each walking one run of the expert's rows (its time
+    is the busiest expert's otherwise): WGRAD_SPLIT where dw[e] (M, Kd) is small, else 1. Every
+    dtype and the interpreter alike (the CPU tests' small experts split)."""
+    return WGRAD_SPLIT if M * Kd <= WGRAD_SPLIT_MAX_DW else 1
+
+
+def wgrad_scratch(E, M, Kd):
+    """Bytes one gmm_wgrad call allocates: the (S, E, M, Kd) fp32 partials when it splits."""
+    S = wgrad_split(M, Kd)
+    return S * E * M * Kd * 4 if S > 1 else 0

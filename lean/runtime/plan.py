@@ -107,6 +107,7 @@ from ..kernels.attention_config import attention_bwd_scratch
 from ..kernels.gemm import interpret_big, interpreting
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.gemm_splitk import splitk_workspace_bytes
+from ..kernels.grouped_gemm import wgrad_scratch
 from ..kernels.lora_grad import _GRAD, _block_r
 from ..kernels.moe_group import _group_config
 from ..kernels.moe_route import _rows_config as _route_rows_config
@@ -448,7 +449,7 @@ def constant_bytes(cfg, n_tokens):
     return (4 * N + 1) * 4 + 2 * N * half * 4 + half * 4 + moe_step_bytes(cfg)
 
 
-def moe_scratch(cfg, n_tokens, act_bytes):
+def moe_scratch(cfg, n_tokens, act_bytes, lora_rank=0):
     """The scratch the MoE kernels allocate per call (moe.py's launches): group_slots' (blocks, E)
     int32, route_topk_fwd's (programs, E) fp32 prob_sum partials (aux loss on), and the router
     GEMMs' split-K workspaces, logits (N, E) over C and dn2 (N, C) over E."""
@@ -457,8 +458,12 @@ def moe_scratch(cfg, n_tokens, act_bytes):
     hist = max(1, _cdiv(P, _group_config(P, E)[0])) * E * 4
     blocks = _cdiv(N, _route_rows_config(N, E)[0])
     part = min(blocks, 2 if interpreting() else 16 * arch().sms) * E * 4 if N else 0
+    R, Fe = lora_rank, cfg.moe_intermediate
+    Rgu = lora_rank * (1 if cfg.expert_bias else 2)
+    wg = {"wg_d_db": (C, R), "wg_d_da": (R, Fe), "wg_gu_db": (2 * Fe, Rgu), "wg_gu_da": (Rgu, C)}  # dw[e]'s (M, Kd)
     return {"hist": hist, "route_part": part, "ws_fwd": splitk_workspace_bytes(N, E, C, act_bytes),
-            "ws_bwd": splitk_workspace_bytes(N, C, E, act_bytes)}
+            "ws_bwd": splitk_workspace_bytes(N, C, E, act_bytes),
+            **{k: wgrad_scratch(E, M, Kd) for k, (M, Kd) in wg.items()}}
 
 
 class Memory(NamedTuple):
@@ -521,11 +526,14 @@ def moe_backward_events(lora_targets):
     """dense.layer_backward's MoE block (moe.moe_backward, rmsnorm_bwd, moe_backward_da): its
     allocations and releases, in order, above the rows the layer holds and g."""
     gu, dn = "gate_up" in lora_targets, "down_e" in lora_targets
+    wg = lambda name: [("+", name), ("-", name)]  # noqa: E731  (a gmm_wgrad call's partials, if it splits)
     ev = [("+", "dn2")] + ([("+", "gb")] if dn else []) + [("+", "G"), ("+", "wq_d"), ("-", "wq_d"), ("+", "dw")]
-    ev += ([("+", "e_act")] if dn else []) + [("-", "G")] + ([("-", "gb"), ("-", "e_act")] if dn else [])
-    ev += ([("+", "dhb")] if gu else []) + [("+", "dX"), ("+", "wq_gu"), ("-", "wq_gu"), ("-", "dX")]
+    ev += ([("+", "e_act")] if dn else []) + [("-", "G")]
+    ev += wg("wg_d_db") + wg("wg_d_da") + [("-", "gb"), ("-", "e_act")] if dn else []
+    ev += [("+", "dhb")] + wg("wg_gu_db") if gu else []
+    ev += [("+", "dX"), ("+", "wq_gu"), ("-", "wq_gu"), ("-", "dX")]
     ev += [("+", "dlogits"), ("+", "ws_bwd"), ("-", "ws_bwd"), ("-", "dlogits"), ("-", "dw")]
-    return ev + [("-", "dn2")] + ([("-", "dhb")] if gu else [])
+    return ev + [("-", "dn2")] + (wg("wg_gu_da") + [("-", "dhb")] if gu else [])
 
 
 class _Kind(NamedTuple):
@@ -551,7 +559,7 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
                 **{"xa:" + t: xab // max(n_xa, 1) for t in ts if t not in EXPERT_TARGETS})
     if moe:
         rows.update({r.name: rb(r) for r in MOE_PLAN + MOE_EXTRA}, m=xb, dn2=grads["dn2"],
-                    **moe_scratch(cfg, N, act_bytes))
+                    **moe_scratch(cfg, N, act_bytes, lora_rank))
     scratch = {t: {part: lora_bwd_scratch(N, *_proj_dims(cfg, t), lora_rank, act_bytes, part)
                    for part in ("all", "dx", "dA", "dyb", "dx_nodb")} for t in ts if t not in EXPERT_TARGETS}
     for t in set(ts) & {"down", "gate", "up"}:  # swiglu_bwd_lora's (S, F*R) partial for t (down: RP)

@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-import lean.kernels.gguf_quant as G
-from lean.kernels.gguf_quant import quantize_rows, row_bytes
-from lean.runtime.gguf_quants import T, quantize
-from tests.test_gguf_quants import blocks_where_ports_disagree, stress_rows
-from tests.util import DEVICE, ON_GPU, fresh_generator
+pytest.importorskip("gguf")  # lean.runtime.gguf_quants' type enum (the device carries its wheel: .whl/)
+
+import lean.kernels.gguf_quant as G  # noqa: E402
+from lean.kernels.gguf_quant import quantize_rows, row_bytes  # noqa: E402
+from lean.runtime.gguf_quants import T, quantize  # noqa: E402
+from tests.test_gguf_quants import blocks_where_ports_disagree, stress_rows  # noqa: E402
+from tests.util import DEVICE, ON_GPU, fresh_generator  # noqa: E402
 
 f32 = np.float32
 TYPES = (T.Q8_0, T.Q4_K, T.Q6_K)

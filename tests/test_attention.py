@@ -166,6 +166,26 @@ def test_attention_dkdv_split_options_and_scratch(monkeypatch):
         attention_config.dkdv_split(4, 64)
 
 
+def test_attention_dkdv_split_unpacked_heads_bit_equal(monkeypatch):
+    # dk / dv whose rows do not pack their heads (stride(1) != D) take the partials' sum through a
+    # packed copy: the same bits as packed outputs
+    monkeypatch.setattr(attention_config, "DKDV_SPLIT", {(4, 32): 2})
+    g = fresh_generator()
+    lengths, H, KVH, D = [37, 1, 50], 8, 2, 32
+    q, k, v, do, cu = _inputs(lengths, H, KVH, D, LOWP, g)
+    packed = _run(q, k, v, do, cu, max(lengths), D ** -0.5)
+    N = q.shape[0]
+    o, lse = packed[0], packed[1]
+    dq = torch.empty_like(q)
+    dk, dv = (torch.empty(N, KVH, 2 * D, dtype=q.dtype, device=q.device)[:, :, :D] for _ in range(2))
+    delta = torch.empty(H, N, dtype=torch.float32, device=q.device)
+    poison(dq, dk, dv, delta)
+    attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu, max(lengths), D ** -0.5)
+    assert dk.stride(1) == 2 * D
+    for name, got, want in (("dq", dq, packed[2]), ("dk", dk, packed[3]), ("dv", dv, packed[4])):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [1, 2, 4])
 def test_attention_dkdv_split_gpu(split, monkeypatch):

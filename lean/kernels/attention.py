@@ -51,7 +51,7 @@ heads inside the program; dq is a second kernel that recomputes the scores (7 ma
 in backward instead of the atomic version's 5). Two runs give bit-identical gradients. At large G
 (attention_config.DKDV_SPLIT) SPLIT programs share a (key block, kv head), each taking every
 SPLIT-th query head and writing fp32 partial sums to a (2, SPLIT, N, KVH, D) scratch that
-_attention_bwd_dkdv_sum_kernel adds in split order: the longest program is SPLIT times shorter.
+gemm_splitk.reduce_partials adds in split order: the longest program is SPLIT times shorter.
 
 Launches: the forward has five constexpr switches (PRECISION, TMA, SORTED, SINKS, WINDOW: the
 window is a constexpr, compiled per size; GPT-OSS has one, 128), the backward kernels four (no
@@ -91,6 +91,7 @@ import triton.language as tl
 from lean.kernels._check import check
 from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, dkdv_split, grid, interpreting
 from lean.kernels.gemm import in_tma_at_every_size, tma_desc, tma_ok
+from lean.kernels.gemm_splitk import reduce_partials
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -421,32 +422,6 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attention_bwd_dkdv_sum_kernel(
-    dk_ptr, dv_ptr,                                  # outputs: (N, KVH, D) each
-    part_ptr,                                        # (2, SPLIT, N, KVH, D) fp32: dk's partials, dv's
-    stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    N, KVH, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """dk = scale * (sum of dk's SPLIT partials), dv = sum of dv's, each summed in split order."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    kvh = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < N) & (offs_d[None, :] < HEAD_DIM)
-    plane = N.to(tl.int64) * (KVH * HEAD_DIM)        # one partial
-    src = part_ptr + rows[:, None] * (KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
-    dk = tl.load(src, mask=mask, other=0.0)
-    dv = tl.load(src + SPLIT * plane, mask=mask, other=0.0)
-    for s in range(1, SPLIT):
-        dk += tl.load(src + s * plane, mask=mask, other=0.0)
-        dv += tl.load(src + (SPLIT + s) * plane, mask=mask, other=0.0)
-    tl.store(dk_ptr + rows[:, None] * stride_dkn + kvh * stride_dkh + offs_d[None, :],
-             (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptr + rows[:, None] * stride_dvn + kvh * stride_dvh + offs_d[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _attention_bwd_dq_kernel(
     dq_ptr,                                          # output: (N, H, D)
     do_ptr, q_ptr, k_src, v_src,                     # (N, H, D) x2, (N, KVH, D) x2
@@ -652,10 +627,12 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         N, B, H // KVH, KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
         TMA=use_tma, SORTED=SORTED["dkdv"], WINDOW=window, SPLIT=S, num_warps=warps, num_stages=stages)
-    if S > 1:
-        _attention_bwd_dkdv_sum_kernel[(triton.cdiv(N, block_r), KVH)](
-            dk, dv, part, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), N, KVH, float(scale),
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, SPLIT=S, num_warps=4)
+    for out, p, alpha in ((dk, part[0], scale), (dv, part[1], 1.0)) if S > 1 else ():  # the partials summed
+        rows = _rows_2d(out)  # (N, KVH * D) with out's row stride, None when a row's heads are not packed
+        packed = rows if rows is not None else torch.empty((N, KVH * D), dtype=out.dtype, device=dev)
+        reduce_partials(packed, p.view(S, N, KVH * D), alpha)
+        if rows is None:
+            out.copy_(packed.view(N, KVH, D))
 
     BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)

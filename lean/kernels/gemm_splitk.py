@@ -193,10 +193,19 @@ def _matmul_splitk(c, a, b, bias, accumulate, alpha, split, config=None, tma=Non
         M, N, K, split, a.stride(0), b.stride(0), b.stride(1),
         B_KMAJOR=kmajor, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", TMA=bool(tma),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+    reduce_partials(c, part, alpha, accumulate, bias)
+
+
+def reduce_partials(c, part, alpha=1.0, accumulate=False, bias=None):
+    """c (M, N) = alpha * (part[0] + ... + part[S-1]) [+ bias] [+ c], the (S, M, N) fp32 partials
+    summed in fixed order (_matmul_splitk_reduce_kernel). c: any float dtype (rounded once), a row
+    stride and a unit column stride. Split-K's second pass, and the same for the other kernels that
+    split a reduction over programs (attention's dK/dV, grouped_gemm's weight gradient)."""
+    S, M, N = part.shape
     RBM, RBN, rwarps = _INTERPRET_REDUCE if interpreting() else _REDUCE
     _matmul_splitk_reduce_kernel[(triton.cdiv(M, RBM), triton.cdiv(N, RBN))](
         c, part, bias if bias is not None else c,
-        M, N, c.stride(0), split, float(alpha),
+        M, N, c.stride(0), S, float(alpha),
         HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate),
         BLOCK_M=RBM, BLOCK_N=RBN, num_warps=rwarps)
 

@@ -46,9 +46,9 @@ keeps its pointer loads); the products and their order are the pointer loop's, s
 bits (H100: 24 Qwen3-30B-A3B / gpt-oss-20b cases compared bitwise).
 gmm_wgrad: grid (tiles of dw[e], E, S); a program owns one (BLOCK_M, BLOCK_K) tile of one expert and
 walks that expert's rows BLOCK_T at a time: all of them (S = 1), or one of S runs of whole steps,
-writing an fp32 partial that _gmm_wgrad_sum_kernel adds to dw in run order (S = wgrad_split: the
-busiest expert's rows over S programs). No atomics: dw is bit-identical from run to run; an expert
-with no row leaves dw[e] untouched.
+writing an fp32 partial that gemm_splitk.reduce_partials adds to dw in run order (S = wgrad_split:
+the busiest expert's rows over S programs). No atomics: dw is bit-identical from run to run; an
+expert with no row leaves dw[e]'s values as they were (S > 1 adds 0 to them).
 
 Supported: E <= 1024, any P, O, Kd, R, M >= 0; bf16/fp16 on the tensor cores with fp32
 accumulation, fp32 with exact IEEE products (input_precision="ieee"), the correctness path.
@@ -96,6 +96,7 @@ from lean.kernels._check import check
 from lean.kernels.arch import arch
 from lean.kernels.gemm import (FLOATS, GROUP_M, grouped_tile, interpret_config, interpret_big, interpreting, tma_desc,
                                tma_ok)
+from lean.kernels.gemm_splitk import reduce_partials
 
 MAX_E = 1024
 
@@ -252,7 +253,7 @@ def _gmm_wgrad_kernel(
         bt = tl.load(b_ptr + rb.to(tl.int64)[:, None] * stride_bt + rk[None, :] * stride_bk,
                      mask=t_ok[:, None] & k_ok[None, :], other=0.0)             # (BT, BK)
         acc = tl.dot(at, bt, acc, input_precision=PRECISION)
-    if SPLIT > 1:  # every run writes its partial (an empty run: zeros); _gmm_wgrad_sum_kernel adds them
+    if SPLIT > 1:  # every run writes its partial (an empty run: zeros); gemm_splitk.reduce_partials adds them
         slab = tl.program_id(2) * tl.num_programs(1) + e
         p_ptrs = part_ptr + slab.to(tl.int64) * M * Kd + rm.to(tl.int64)[:, None] * Kd + rk[None, :]
         tl.store(p_ptrs, acc, mask=m_ok[:, None] & k_ok[None, :])
@@ -261,26 +262,6 @@ def _gmm_wgrad_kernel(
         mask = m_ok[:, None] & k_ok[None, :] & (end > start)                    # no row: dw[e] untouched
         dw = tl.load(dw_ptrs, mask=mask, other=0.0)
         tl.store(dw_ptrs, dw + alpha * acc, mask=mask)
-
-
-@triton.jit
-def _gmm_wgrad_sum_kernel(
-    dw_ptr,                                 # (E, M, Kd) fp32 contiguous, accumulated
-    part_ptr, off_ptr,                      # (SPLIT, E, M, Kd) fp32 partials; offsets (E+1,)
-    size, alpha,                            # size = M * Kd
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """dw[e] += alpha * (sum of expert e's SPLIT partials, in run order); no row: dw[e] untouched."""
-    e = tl.program_id(1)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = (i < size) & (tl.load(off_ptr + e + 1) > tl.load(off_ptr + e))
-    src = part_ptr + e.to(tl.int64) * size + i
-    plane = tl.num_programs(1).to(tl.int64) * size  # one run's (E, M, Kd) partials
-    acc = tl.load(src, mask=ok, other=0.0)
-    for s in range(1, SPLIT):
-        acc += tl.load(src + s * plane, mask=ok, other=0.0)
-    dst = dw_ptr + e.to(tl.int64) * size + i
-    tl.store(dst, tl.load(dst, mask=ok, other=0.0) + alpha * acc, mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +293,6 @@ TUNED = {"sm_90": (128, 256, 64, 8, 4)}
 #   gate_up dA (M 32,  Kd 2048) 0.108 / 0.144 / 0.188 / 0.276
 WGRAD_SPLIT = int(os.environ.get("LEAN_WGRAD_SPLIT", "4"))  # the env: experiments (tools/bench.py kernels)
 WGRAD_SPLIT_MAX_DW = 16384
-_SUM_BLOCK = 1024                 # elements per program of _gmm_wgrad_sum_kernel (memory-bound)
 _FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
 _INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
 
@@ -461,9 +441,8 @@ def gmm_wgrad(dw, a, b, offsets, *, gather_a=None, gather_b=None, gather_div=1, 
         GATHER_A=gather_a is not None, GATHER_B=gather_b is not None, SCALE=scale is not None,
         BLOCK_M=BM, BLOCK_K=BK, BLOCK_T=BT, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         SPLIT=S, num_warps=warps, num_stages=stages)
-    if S > 1:
-        _gmm_wgrad_sum_kernel[(triton.cdiv(M * Kd, _SUM_BLOCK), E)](
-            dw, part, offsets, M * Kd, float(alpha), SPLIT=S, BLOCK=_SUM_BLOCK, num_warps=4)
+    if S > 1:  # dw += alpha * the runs' partials summed in order (an expert with no row: += 0)
+        reduce_partials(dw.view(E * M, Kd), part.view(S, E * M, Kd), alpha, accumulate=True)
 
 
 def wgrad_split(M, Kd):

@@ -185,6 +185,61 @@ def test_offload_peak_exact_with_dkdv_split(monkeypatch):
     _bitwise_and_peak_exact(model, lora, batch, (U, K), 4, 0.0)
 
 
+def test_loss_chunk_rows_from_the_plan_same_bits_peak_exact(monkeypatch):
+    """Plan.ce_rows: make_plan keeps the loss's other chunk rows (fast_ce_rows; here 16, fewer than
+    the interpreter's 64, so the peak cannot rise) and the step runs the lm_head + loss in them,
+    with and without a plan: the same loss bit for bit as the default chunks (each row's loss is
+    computed alone), the LoRA gradients within fp32 rounding (dh's GEMM tiles its chunk by its row
+    count: another summation order), and the allocated peak equal to the walk's."""
+    import lean.runtime.plan as P
+    import lean.runtime.step as S
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("qwen3", 2), gen)
+    lora = _lora(model, 4, 0.0, gen)
+    batch = _batch(model, gen, 40 + _randint(gen, 24))
+    N, cfg = batch.n_tokens, model.config
+    rope_tables(model, batch)
+
+    def step(plan):
+        lora.zero_grad()
+        with LiveBytes() as lb:
+            loss, _ = lean.forward_backward(model, lora, batch, seed=7, plan=plan)
+        return loss.clone(), lora.grads.clone(), lb.peak
+
+    loss0, grads0, _ = step(None)  # the interpreter's default chunks (fast_ce_rows: None)
+    assert model.cache[("ce_rows", N)] is None
+    del model.cache[("ce_rows", N)]
+    for mod in (P, S):
+        monkeypatch.setattr(mod, "fast_ce_rows", lambda *a, **k: 16)
+    plan = make_plan(cfg, N, (K, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    assert plan.ce_rows == 16
+    for p in (None, plan):
+        loss1, grads1, peak1 = step(p)
+        assert torch.equal(loss0, loss1), f"16-row loss chunks: loss {loss1.item()} != {loss0.item()}"
+        rel = ((grads1 - grads0).abs().max() / grads0.abs().max()).item()
+        assert rel <= 1e-5, f"16-row loss chunks: LoRA gradients differ by {rel:.2e} (relative to the largest)"
+        assert peak1 == plan.memory.activations, f"allocated peak {peak1} B != walked {plan.memory.activations} B"
+    assert model.cache[("ce_rows", N)] == 16
+
+
+def test_loss_chunk_rows_kept_only_where_the_peak_is_elsewhere(monkeypatch):
+    """At real shapes (the GPU's chunk rule, arithmetic only): Qwen3-30B-A3B's 8-layer step peaks
+    inside a layer's experts, so its loss takes CE_FAST_ROWS rows at the same predicted peak;
+    Qwen3-0.6B's and Llama-3.2-1B's peak is the loss's own moment, so they keep the default."""
+    import lean.runtime.plan as P
+    from lean.models.presets import PRESETS
+    from lean.runtime.lora import TARGETS
+    monkeypatch.setattr(P, "interpreting", lambda: False)
+    for name, layers, kept in (("qwen3-30b-a3b", 8, True), ("qwen3-0.6b", None, False), ("llama-3.2-1b", None, False)):
+        cfg = config_from_hf(dict(PRESETS[name], **({"num_hidden_layers": layers} if layers else {})))
+        plan = make_plan(cfg, 8192, (K,) * cfg.n_layers, lora_rank=16, lora_targets=TARGETS)
+        default = P.walk(cfg, plan.modes, 8192, 2, 16, plan.lora_targets)
+        assert plan.ce_rows == (P.CE_FAST_ROWS if kept else None), (name, plan.ce_rows, plan.peak_at)
+        assert plan.memory.activations == default[0], (name, plan.memory.activations, default)  # no rise, either way
+        fast = P.walk(cfg, plan.modes, 8192, 2, 16, plan.lora_targets, ce_rows=P.CE_FAST_ROWS)
+        assert (fast[0] <= default[0]) == kept, (name, fast, default)
+
+
 def _bitwise_and_peak_exact(model, lora, batch, modes, r, dropout):
     """A keep step and a step under `modes`: the same loss and LoRA gradients bit for bit, each
     step's allocated peak equal to the walk's."""

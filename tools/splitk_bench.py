@@ -3,6 +3,8 @@ slice count and tiles win?
 
     python tools/splitk_bench.py              # on the GPU, < 2 minutes
     python tools/splitk_bench.py --no-ce      # the GEMM table only
+    python tools/splitk_bench.py --ce-chunks 512,640,1024,2048 [--ce-models qwen3-30b-a3b,...]
+                                              # the whole op at these chunk rows only (no GEMM table)
 
 1. The GEMM c (M, N) = a (M, K) @ b (K, N), a and b row-major: the fused linear-CE's dh chunk
    (dlogits (rows, V) @ w (V, C)) at the lm_head shapes, per variant:
@@ -42,6 +44,7 @@ SPLITS = (2, 3, 4, 6, 8)
 CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 SWEPT_SHAPES = 3
 CE_MODELS = [("qwen3-0.6b", 1024, 151936), ("llama3.2-1b", 2048, 128256), ("qwen3-8b", 4096, 151936)]
+CE_MORE = {"qwen3-30b-a3b": (2048, 151936), "gpt-oss-20b": (2880, 201088)}  # --ce-models may name these too
 CE_CHUNKS = (512, 1024)
 N_TOKENS = 8192
 DTYPE = torch.bfloat16
@@ -130,11 +133,14 @@ def gemm_section(T, dev):
             print(f"  lean / cuBLAS time: {t_lean / t_cub:.2f}x")
 
 
-def ce_section(T, dev):
+def ce_section(T, dev, models=None, chunks=None):
+    """models: [(name, C, V)] (default CE_MODELS); chunks: chunk rows to time besides the default
+    (default CE_CHUNKS). With chunks given, the split-K-off "before" rows are skipped."""
     bf = DTYPE
+    models, sweep = models or CE_MODELS, chunks is not None
     N = N_TOKENS
     print(f"\n== linear_ce_fwd_bwd, N = {N}, {DTYPE}, ~10% ignored targets ==")
-    for name, C, V in CE_MODELS:
+    for name, C, V in models:
         if T.over():
             print(f"{name} skipped (time budget)")
             continue
@@ -152,6 +158,14 @@ def ce_section(T, dev):
 
         def run(cr=None):
             CE.linear_ce_fwd_bwd(loss, dh, h, w, t, grad_scale=gs, chunk_rows=cr)
+        if sweep:  # the default, then each chunk size: the same dh bits are not expected (split-K slices differ)
+            run()
+            ref = dh.clone()
+            T.row(f"default, chunk_rows {rows}", run, flop)
+            for cr in chunks:
+                if cr != rows:
+                    T.row(f"chunk_rows {cr}", lambda cr=cr: run(cr), flop, ref, dh)
+            continue
         try:
             with SplitOff():
                 run()
@@ -179,12 +193,23 @@ def ce_section(T, dev):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-ce", action="store_true", help="skip the linear_ce section")
+    ap.add_argument("--ce-chunks", help="comma-separated chunk rows: only the linear_ce section, at these")
+    ap.add_argument("--ce-models", help="comma-separated models for --ce-chunks (CE_MODELS' names and "
+                    + ", ".join(CE_MORE) + ")")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds before what is left is skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("splitk_bench: needs a CUDA GPU (an H100: the split-K path is Hopper-only)")
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     T = Table(time.time())
+    if args.ce_chunks:
+        known = {n: (n, C, V) for n, C, V in CE_MODELS} | {n: (n, *cv) for n, cv in CE_MORE.items()}
+        models = [known[m] for m in args.ce_models.split(",")] if args.ce_models else None
+        T.budget = args.budget
+        ce_section(T, dev, models, [int(c) for c in args.ce_chunks.split(",")])
+        print(f"\ntotal {time.time() - T.start:.0f} s")
+        return
     T.budget = GEMM_BUDGET_S if not args.no_ce else BUDGET_S
     gemm_section(T, dev)
     T.budget = BUDGET_S

@@ -39,7 +39,9 @@ Default chunk_rows on GPU: the fewest rows (a multiple of 128) at which the chun
 streaming all of w, stay compute-bound (_GPU_INTENSITY), capped so the scratch stays under
 _GPU_CHUNK_BYTES: 768 rows for Qwen3-0.6B (C 1024, V 151936), 640 for Llama-3.2-1B (C 2048), 512
 for Qwen3-8B (C 4096); under the interpreter 64 rows (512 for a model-sized lm_head:
-_INTERP_BIG_CHUNK_ROWS).
+_INTERP_BIG_CHUNK_ROWS). The step passes more rows (runtime/plan.CE_FAST_ROWS, measured faster)
+where the activation plan shows they cost no peak memory; LEAN_CE_CHUNK_ROWS=R fixes the default
+at R rows (experiments: tools/splitk_bench.py --ce-chunks, bench step).
 
 Supported: any N >= 0, V >= 1, C >= 1; row * V may exceed 2^31 (int64 row offsets).
 Tested: tests/test_linear_ce.py: fp32 and fp16 on CPU (interpreter), N 1..300, V 97..2053, C 64/80,
@@ -171,6 +173,8 @@ def _linear_ce_sum_kernel(
 
 
 def _default_chunk_rows(N, V, C, elsize, interpret):
+    if os.environ.get("LEAN_CE_CHUNK_ROWS"):  # a fixed chunk (experiments: tools/splitk_bench.py, bench step)
+        return max(1, min(int(os.environ["LEAN_CE_CHUNK_ROWS"]), N))
     if interpret:
         if V * C < 2**18:
             return _INTERP_CHUNK_ROWS

@@ -183,14 +183,15 @@ def tables_to_host(model, chunk_v=None):
     return freed + head_to_host(model, chunk_v)
 
 
-def lm_head_loss(loss, dh, h, model, targets, grad_scale=1.0):
-    """The fused lm_head + cross-entropy (linear_ce.py), or its chunked form when the head is on the host."""
+def lm_head_loss(loss, dh, h, model, targets, grad_scale=1.0, chunk_rows=None):
+    """The fused lm_head + cross-entropy (linear_ce.py, in chunks of chunk_rows rows: None, its
+    default), or its chunked form when the head is on the host."""
     from ..kernels.linear_ce import linear_ce_fwd_bwd
     from ..kernels.linear_ce_vchunk import linear_ce_vchunks
 
     src = model.cache.get("head")
     if src is None:
-        linear_ce_fwd_bwd(loss, dh, h, model.lm_head, targets, grad_scale=grad_scale)
+        linear_ce_fwd_bwd(loss, dh, h, model.lm_head, targets, grad_scale=grad_scale, chunk_rows=chunk_rows)
     else:
         linear_ce_vchunks(loss, dh, h, src, targets, grad_scale=grad_scale)
 

@@ -393,11 +393,39 @@ def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
             "dx_nodb": dyb + pad}[part]
 
 
-def linear_ce_scratch(N, V, C, act_bytes):
+def linear_ce_scratch(N, V, C, act_bytes, rows=None):
     """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32 and the largest split-K
-    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter)."""
-    rows = max(1, min(_default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
+    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter).
+    rows: the chunk rows the step passes (Plan.ce_rows), None: linear_ce's default."""
+    rows = max(1, min(rows or _default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
+
+
+# The lm_head + loss in chunks of CE_FAST_ROWS rows where that costs no peak memory (Plan.ce_rows).
+# linear_ce's default chunk is the fewest rows that keep its two GEMMs compute-bound (640 for a
+# C 2048, V 151936 head), the least scratch; more rows run faster. H100, bf16, N 8192, 2026-11-27
+# (`tools/splitk_bench.py --ce-chunks ...`, the whole op, ms at the default | 1024 | 2048 rows):
+# Qwen3-0.6B 10.55 (768) | 10.16 | 9.99, Llama-3.2-1B 15.60 (640) | 14.10 | 13.63, Qwen3-8B 31.91
+# (512) | 30.40 | 30.58, Qwen3-30B-A3B 19.16 (640) | 16.82 | 17.12, gpt-oss-20b 33.33 (512) |
+# 32.09 | 32.73 (1536 rows: 10-20% slower than 1024 on four of five heads: the dh GEMM's split-K
+# under-fills a wave). The step (`bench.py step --graph`, LEAN_CE_CHUNK_ROWS=default | 1024):
+# Qwen3-30B-A3B (8 layers) packed 109,216 -> 110,720 tok/s, padded 107,616 -> 109,913, peak 17.46
+# GiB both (its peak is inside a layer's experts); Qwen3-0.6B 113,653 -> 114,398 at +0.06 GiB
+# and Llama-3.2-1B 85,184 -> 85,459 at +0.09 GiB, where the loss's moment is the peak: those keep
+# the default.
+CE_FAST_ROWS = 1024
+
+
+def fast_ce_rows(cfg, n_tokens, act_bytes, head_host=False):
+    """CE_FAST_ROWS where a step could run its lm_head + loss in them (make_plan keeps them only if
+    the walk's peak does not rise: Plan.ce_rows), else None: under the interpreter, with the head on
+    the host (linear_ce_vchunk's own chunks), where linear_ce's default already takes as many rows,
+    and while LEAN_CE_CHUNK_ROWS is set (the experiment decides)."""
+    import os
+    N, V, C = n_tokens, cfg.vocab, cfg.hidden
+    if interpreting() or head_host or os.environ.get("LEAN_CE_CHUNK_ROWS"):
+        return None
+    return CE_FAST_ROWS if min(_default_chunk_rows(N, V, C, act_bytes, False), N) < min(CE_FAST_ROWS, N) else None
 
 
 def head_host_bytes(cfg, act_bytes, world=1):
@@ -571,10 +599,11 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
                  mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False, ce_rows=None):
     """The step's activation bytes moment by moment, as step.py, dense.py and moe.py allocate and
     free them; returns (high-water bytes, the moment it happens). head_host: the loss streams the
-    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's). Without LoRA dropout the waiting dA of
+    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's); ce_rows: the loss's
+    chunk rows (Plan.ce_rows; None: linear_ce's default). Without LoRA dropout the waiting dA of
     projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist.
     Each layer is priced as its kind (dense or MoE: cfg.is_moe) with its own LoRA targets."""
     N, C, V = n_tokens, cfg.hidden, cfg.vocab
@@ -612,7 +641,7 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
     s_d = xb + (0 if last == KEEP else xb)
     at("final norm", held + kind(len(modes) - 1).sent[last] + s_d + final)
     loss = 2 * 4
-    ce = (head_host_scratch if head_host else linear_ce_scratch)(N, V, C, act_bytes) + 4  # + the (1,) grad_scale
+    ce = (head_host_scratch(N, V, C, act_bytes) if head_host else linear_ce_scratch(N, V, C, act_bytes, ce_rows)) + 4  # + (1,) grad_scale
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
     at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
     base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
@@ -703,6 +732,7 @@ class Plan:
     embed_host: bool = False  # the embedding table lives in pinned host memory
     head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
     world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
+    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (fast_ce_rows, kept by make_plan); None: the default
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -796,6 +826,10 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
     act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
+    rows = fast_ce_rows(cfg, n_tokens, act_bytes, head_host)  # the loss's faster chunks, where the peak is elsewhere
+    if rows is not None:
+        fast = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, rows)
+        act, where, rows = (*fast, rows) if fast[0] <= act else (act, where, None)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
@@ -810,4 +844,4 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if head_host:
         cost += head_host_cost(cfg, n_tokens, act_bytes, rates, world)
     return Plan(cfg, n_tokens, act_bytes, lora_rank, lora_targets, modes, mem, where, budget_bytes, cost, rates,
-                embed_host, bool(head_host), world)
+                embed_host, bool(head_host), world, rows)

@@ -35,7 +35,7 @@ from ..models.dense import Ctx, layer_backward, layer_forward
 from ..models.moe import MoeStep
 from .head_host import lm_head_logits, lm_head_loss
 from .offload import scheduler
-from .plan import KEEP, KEPT_ROWS, OFFLOADED
+from .plan import KEEP, KEPT_ROWS, OFFLOADED, fast_ce_rows, make_plan
 
 
 class Kept(NamedTuple):
@@ -183,13 +183,29 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     nf, x_final, rstd = _forward_layers(model, lora, batch, ctx, tape, plan, sched)
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
-    lm_head_loss(loss, dnf, nf, model, batch.targets, grad_scale=grad_scale)  # streamed when on the host
+    lm_head_loss(loss, dnf, nf, model, batch.targets, grad_scale=grad_scale,  # streamed when on the host
+                 chunk_rows=_ce_rows(model, lora, batch.n_tokens, plan))
     _aux_loss(loss, ctx, model.config, batch, grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
     del nf, dnf, x_final, rstd  # dead: their memory serves the layers' backward (plan.py counts on it)
     _backward_layers(g, tape, plan, sched, reducer)  # backward: every layer in reverse
     return loss[0:1], batch.n_targets
+
+
+def _ce_rows(model, lora, n_tokens, plan):
+    """The lm_head + loss's chunk rows: the plan's (plan.ce_rows), or without a plan the all-keep
+    plan's, made once per token count (host arithmetic, cached in model.cache)."""
+    if plan is not None:
+        return plan.ce_rows
+    key = ("ce_rows", n_tokens)
+    if key not in model.cache:
+        cfg, act_bytes, head_host = model.config, model.dtype.itemsize, "head" in model.cache
+        r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
+        model.cache[key] = fast_ce_rows(cfg, n_tokens, act_bytes, head_host) and make_plan(
+            cfg, n_tokens, (KEEP,) * cfg.n_layers, lora_rank=r, lora_targets=targets, act_bytes=act_bytes,
+            lora_dropout=dropout, head_host=head_host).ce_rows
+    return model.cache[key]
 
 
 def _aux_loss(loss, ctx, cfg, batch, grad_scale):

@@ -186,40 +186,32 @@ def test_offload_peak_exact_with_dkdv_split(monkeypatch):
 
 
 def test_loss_chunk_rows_from_the_plan_same_bits_peak_exact(monkeypatch):
-    """Plan.ce_rows: make_plan keeps the loss's other chunk rows (fast_ce_rows; here 16, fewer than
-    the interpreter's 64, so the peak cannot rise) and the step runs the lm_head + loss in them,
-    with and without a plan: the same loss bit for bit as the default chunks (each row's loss is
-    computed alone), the LoRA gradients within fp32 rounding (dh's GEMM tiles its chunk by its row
-    count: another summation order), and the allocated peak equal to the walk's."""
+    """Plan.ce_rows (plan.ce_rows: here fast_ce_rows gives 16, fewer than the interpreter's 64, so
+    the peak cannot rise): the step runs the lm_head + loss in them with and without a plan, the
+    same chunks under every plan (keep and an offload plan: the same bits, each peak as walked); and
+    against the default chunks the same loss bit for bit (each row's loss is computed alone), the
+    LoRA gradients within fp32 rounding (dh's GEMM tiles its chunk by its row count)."""
     import lean.runtime.plan as P
-    import lean.runtime.step as S
     gen = fresh_generator("cpu")
     model = _model(_tiny("qwen3", 2), gen)
     lora = _lora(model, 4, 0.0, gen)
     batch = _batch(model, gen, 40 + _randint(gen, 24))
-    N, cfg = batch.n_tokens, model.config
+    N = batch.n_tokens
     rope_tables(model, batch)
-
-    def step(plan):
-        lora.zero_grad()
-        with LiveBytes() as lb:
-            loss, _ = lean.forward_backward(model, lora, batch, seed=7, plan=plan)
-        return loss.clone(), lora.grads.clone(), lb.peak
-
-    loss0, grads0, _ = step(None)  # the interpreter's default chunks (fast_ce_rows: None)
-    assert model.cache[("ce_rows", N)] is None
-    del model.cache[("ce_rows", N)]
-    for mod in (P, S):
-        monkeypatch.setattr(mod, "fast_ce_rows", lambda *a, **k: 16)
-    plan = make_plan(cfg, N, (K, K), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
-    assert plan.ce_rows == 16
-    for p in (None, plan):
-        loss1, grads1, peak1 = step(p)
-        assert torch.equal(loss0, loss1), f"16-row loss chunks: loss {loss1.item()} != {loss0.item()}"
-        rel = ((grads1 - grads0).abs().max() / grads0.abs().max()).item()
-        assert rel <= 1e-5, f"16-row loss chunks: LoRA gradients differ by {rel:.2e} (relative to the largest)"
-        assert peak1 == plan.memory.activations, f"allocated peak {peak1} B != walked {plan.memory.activations} B"
+    lora.zero_grad()
+    loss0, _ = lean.forward_backward(model, lora, batch, seed=7)  # the interpreter's default chunks
+    grads0 = lora.grads.clone()
+    assert model.cache.pop(("ce_rows", N)) is None
+    monkeypatch.setattr(P, "fast_ce_rows", lambda *a, **k: 16)
+    assert make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4).ce_rows == 16
+    assert make_plan(model.config, 64, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4).ce_rows == 16
+    _bitwise_and_peak_exact(model, lora, batch, (U, O), 4, 0.0)  # keep vs the plan: bits and peaks
     assert model.cache[("ce_rows", N)] == 16
+    lora.zero_grad()
+    loss1, _ = lean.forward_backward(model, lora, batch, seed=7)
+    assert torch.equal(loss0, loss1), f"16-row loss chunks: loss {loss1.item()} != {loss0.item()}"
+    rel = ((lora.grads - grads0).abs().max() / grads0.abs().max()).item()
+    assert rel <= 1e-5, f"16-row loss chunks: LoRA gradients differ by {rel:.2e} (relative to the largest)"
 
 
 def test_loss_chunk_rows_kept_only_where_the_peak_is_elsewhere(monkeypatch):

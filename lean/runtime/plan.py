@@ -416,11 +416,25 @@ def linear_ce_scratch(N, V, C, act_bytes, rows=None):
 CE_FAST_ROWS = 1024
 
 
+def ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
+    """The lm_head + loss's chunk rows (Plan.ce_rows): fast_ce_rows' where the all-keep step's walk
+    peaks no higher with them than with linear_ce's default (its peak is elsewhere: inside an MoE
+    layer's experts), else None (the default). Decided on the all-keep step, not per plan, so that
+    every plan of a model runs the same chunks: plans differ in memory and time, never in bits (the
+    chunk rows tile the dh GEMM, and so its summation order)."""
+    rows = fast_ce_rows(cfg, n_tokens, act_bytes, head_host)
+    if rows is None:
+        return None
+    keep = (KEEP,) * cfg.n_layers
+    peak = lambda r: walk(cfg, keep, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, r)[0]  # noqa: E731
+    return rows if peak(rows) <= peak(None) else None
+
+
 def fast_ce_rows(cfg, n_tokens, act_bytes, head_host=False):
-    """CE_FAST_ROWS where a step could run its lm_head + loss in them (make_plan keeps them only if
-    the walk's peak does not rise: Plan.ce_rows), else None: under the interpreter, with the head on
-    the host (linear_ce_vchunk's own chunks), where linear_ce's default already takes as many rows,
-    and while LEAN_CE_CHUNK_ROWS is set (the experiment decides)."""
+    """CE_FAST_ROWS where a step could run its lm_head + loss in them (ce_rows keeps them where the
+    peak does not rise), else None: under the interpreter, with the head on the host
+    (linear_ce_vchunk's own chunks), where linear_ce's default already takes as many rows, and
+    while LEAN_CE_CHUNK_ROWS is set (the experiment decides)."""
     import os
     N, V, C = n_tokens, cfg.vocab, cfg.hidden
     if interpreting() or head_host or os.environ.get("LEAN_CE_CHUNK_ROWS"):
@@ -732,7 +746,7 @@ class Plan:
     embed_host: bool = False  # the embedding table lives in pinned host memory
     head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
     world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
-    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (fast_ce_rows, kept by make_plan); None: the default
+    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (ce_rows: the same for every plan); None: the default
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -825,11 +839,8 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
-    rows = fast_ce_rows(cfg, n_tokens, act_bytes, head_host)  # the loss's faster chunks, where the peak is elsewhere
-    if rows is not None:
-        fast = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, rows)
-        act, where, rows = (*fast, rows) if fast[0] <= act else (act, where, None)
+    rows = ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
+    act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, rows)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)

@@ -35,7 +35,7 @@ from ..models.dense import Ctx, layer_backward, layer_forward
 from ..models.moe import MoeStep
 from .head_host import lm_head_logits, lm_head_loss
 from .offload import scheduler
-from .plan import KEEP, KEPT_ROWS, OFFLOADED, fast_ce_rows, make_plan
+from .plan import KEEP, KEPT_ROWS, OFFLOADED, ce_rows
 
 
 class Kept(NamedTuple):
@@ -194,17 +194,15 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
 
 
 def _ce_rows(model, lora, n_tokens, plan):
-    """The lm_head + loss's chunk rows: the plan's (plan.ce_rows), or without a plan the all-keep
-    plan's, made once per token count (host arithmetic, cached in model.cache)."""
+    """The lm_head + loss's chunk rows: the plan's (plan.ce_rows), or without a plan plan.ce_rows'
+    rule (the same rows), once per token count (host arithmetic, cached in model.cache)."""
     if plan is not None:
         return plan.ce_rows
     key = ("ce_rows", n_tokens)
     if key not in model.cache:
-        cfg, act_bytes, head_host = model.config, model.dtype.itemsize, "head" in model.cache
         r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
-        model.cache[key] = fast_ce_rows(cfg, n_tokens, act_bytes, head_host) and make_plan(
-            cfg, n_tokens, (KEEP,) * cfg.n_layers, lora_rank=r, lora_targets=targets, act_bytes=act_bytes,
-            lora_dropout=dropout, head_host=head_host).ce_rows
+        model.cache[key] = ce_rows(model.config, n_tokens, model.dtype.itemsize, r, tuple(targets) if r else (),
+                                   dropout, "head" in model.cache)
     return model.cache[key]
 
 

@@ -186,27 +186,40 @@ def test_offload_peak_exact_with_dkdv_split(monkeypatch):
 
 
 def test_loss_chunk_rows_from_the_plan_same_bits_peak_exact(monkeypatch):
-    """Plan.ce_rows (plan.ce_rows: here fast_ce_rows gives 16, fewer than the interpreter's 64, so
-    the peak cannot rise): the step runs the lm_head + loss in them with and without a plan, the
-    same chunks under every plan (keep and an offload plan: the same bits, each peak as walked); and
-    against the default chunks the same loss bit for bit (each row's loss is computed alone), the
+    """The loss's chunk rows (plan.ce_rows; here fast_ce_rows gives 16, fewer than the interpreter's
+    64, so no peak can rise) reach linear_ce_fwd_bwd with and without a plan, one value per model
+    (step.loss_rows): a keep step and an offload plan's give the same bits, each peak as walked;
+    against the default chunks the loss is the same bits (each row's loss is computed alone), the
     LoRA gradients within fp32 rounding (dh's GEMM tiles its chunk by its row count)."""
+    import lean.kernels.linear_ce as CE
     import lean.runtime.plan as P
+    from lean.runtime.step import loss_rows
     gen = fresh_generator("cpu")
     model = _model(_tiny("qwen3", 2), gen)
     lora = _lora(model, 4, 0.0, gen)
     batch = _batch(model, gen, 40 + _randint(gen, 24))
     N = batch.n_tokens
     rope_tables(model, batch)
+    seen, fwd_bwd = [], CE.linear_ce_fwd_bwd
+
+    def recorded(*args, chunk_rows=None, **kw):
+        seen.append(chunk_rows)
+        return fwd_bwd(*args, chunk_rows=chunk_rows, **kw)
+    monkeypatch.setattr(CE, "linear_ce_fwd_bwd", recorded)
     lora.zero_grad()
     loss0, _ = lean.forward_backward(model, lora, batch, seed=7)  # the interpreter's default chunks
     grads0 = lora.grads.clone()
-    assert model.cache.pop(("ce_rows", N)) is None
+    assert seen == [None] and model.cache.pop("loss_rows") is None
     monkeypatch.setattr(P, "fast_ce_rows", lambda *a, **k: 16)
-    assert make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4).ce_rows == 16
-    assert make_plan(model.config, 64, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4).ce_rows == 16
+    plan = make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    assert plan.ce_rows == 16 and loss_rows(model, lora, N + 5) == 16 == model.cache["loss_rows"]
+    assert make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4,
+                     loss_rows=None).ce_rows is None  # a model's own rows, given
+    seen.clear()
     _bitwise_and_peak_exact(model, lora, batch, (U, O), 4, 0.0)  # keep vs the plan: bits and peaks
-    assert model.cache[("ce_rows", N)] == 16
+    assert seen == [16, 16], seen
+    monkeypatch.setattr(P, "fast_ce_rows", lambda *a, **k: None)  # the rule now says the default ...
+    assert plan_for(model, lora, N).ce_rows == 16  # ... a model keeps the rows its steps run
     lora.zero_grad()
     loss1, _ = lean.forward_backward(model, lora, batch, seed=7)
     assert torch.equal(loss0, loss1), f"16-row loss chunks: loss {loss1.item()} != {loss0.item()}"
@@ -222,6 +235,7 @@ def test_loss_chunk_rows_kept_only_where_the_peak_is_elsewhere(monkeypatch):
     from lean.models.presets import PRESETS
     from lean.runtime.lora import TARGETS
     monkeypatch.setattr(P, "interpreting", lambda: False)
+    monkeypatch.delenv("LEAN_CE_CHUNK_ROWS", raising=False)
     for name, layers, kept in (("qwen3-30b-a3b", 8, True), ("qwen3-0.6b", None, False), ("llama-3.2-1b", None, False)):
         cfg = config_from_hf(dict(PRESETS[name], **({"num_hidden_layers": layers} if layers else {})))
         plan = make_plan(cfg, 8192, (K,) * cfg.n_layers, lora_rank=16, lora_targets=TARGETS)

@@ -414,6 +414,7 @@ def linear_ce_scratch(N, V, C, act_bytes, rows=None):
 # and Llama-3.2-1B 85,184 -> 85,459 at +0.09 GiB, where the loss's moment is the peak: those keep
 # the default.
 CE_FAST_ROWS = 1024
+AUTO = "auto"  # make_plan's loss_rows: decide them (ce_rows) rather than take the model's (step.loss_rows)
 
 
 def ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
@@ -746,7 +747,7 @@ class Plan:
     embed_host: bool = False  # the embedding table lives in pinned host memory
     head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
     world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
-    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (ce_rows: the same for every plan); None: the default
+    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (make_plan's loss_rows); None: the default
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -826,12 +827,13 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
               optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0,
-              head_host=False, world=1):
+              head_host=False, world=1, loss_rows=AUTO):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
     tensors on the GPU (without the embedding table when embed_host, without the lm_head when
     head_host: its two chunk buffers are added here; a tied table moves with the head; this rank's
     parts of the layers when sharded). world > 1: sharded weights, their gather buffers and gathers
-    priced."""
+    priced. loss_rows: the lm_head + loss's chunk rows (an int, or None: linear_ce's default), as a
+    model already runs them (step.loss_rows); AUTO decides them (ce_rows)."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -839,7 +841,8 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    rows = ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host)
+    rows = ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host) \
+        if loss_rows is AUTO else (None if head_host else loss_rows)
     act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, rows)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)
     reload = (2 * n_tokens * cfg.hidden * act_bytes if any(m in OFFLOADED for m in modes) else 0) + (

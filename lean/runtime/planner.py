@@ -24,7 +24,7 @@ from ..models.weights import embed_to_host
 from .head_host import head_to_host
 from .lora import TARGETS
 from .plan import (
-    DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
+    AUTO, DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
     embed_gather_cost, gather_cost, head_host_bytes, head_host_cost, layer_bytes, layer_modes, make_plan,
     mode_bytes, mode_policy, plan_cost, row_bytes,
 )
@@ -43,7 +43,7 @@ def candidates(L):
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
               optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0, lora_dropout=0.0, head_bytes=0,
-              head_on_host=False, world=1):
+              head_on_host=False, world=1, loss_rows=AUTO):
     """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
     budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
     budget_bytes is None or it fits. embed_bytes: an untied embedding table (part of weights_bytes)
@@ -53,10 +53,11 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     copy). head_on_host: the head is there already (every plan streams it). world > 1: the layers'
     weights are sharded over that many ranks (weights_bytes counts this rank's parts; the gather
     buffers and gathers are priced: plan.gather_cost). Raises PlanError when even offloading every
-    layer's input and recomputing the rest does not fit."""
+    layer's input and recomputing the rest does not fit. loss_rows: the lm_head + loss's chunk rows
+    every candidate is walked with (make_plan's; AUTO: decided there)."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
-              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world)
+              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world, loss_rows=loss_rows)
     on_gpu = lambda eh, hh: dict(  # noqa: E731
         weights_bytes=weights_bytes - (embed_bytes if eh else 0) - (head_bytes if hh and not head_on_host else 0),
         embed_host=eh, head_host=hh)
@@ -181,7 +182,9 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
                      host_budget_bytes=host // 2 - on_host if host else None,
                      embed_bytes=table if movable else 0, head_bytes=head if head_movable else 0,
-                     head_on_host=head_moved, lora_dropout=dropout, world=world)
+                     head_on_host=head_moved, lora_dropout=dropout, world=world,
+                     loss_rows=model.cache.get("loss_rows", AUTO))
+    model.cache.setdefault("loss_rows", plan.ce_rows)  # every later step of this model runs them (step.loss_rows)
     if moved:
         plan = replace(plan, embed_host=True,
                        cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))

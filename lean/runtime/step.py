@@ -184,7 +184,7 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     loss = torch.empty(2, dtype=torch.float32, device=nf.device)  # [sum, count]
     dnf = torch.empty_like(nf)
     lm_head_loss(loss, dnf, nf, model, batch.targets, grad_scale=grad_scale,  # streamed when on the host
-                 chunk_rows=_ce_rows(model, lora, batch.n_tokens, plan))
+                 chunk_rows=loss_rows(model, lora, batch.n_tokens, plan))
     _aux_loss(loss, ctx, model.config, batch, grad_scale)
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
@@ -193,17 +193,19 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     return loss[0:1], batch.n_targets
 
 
-def _ce_rows(model, lora, n_tokens, plan):
-    """The lm_head + loss's chunk rows: the plan's (plan.ce_rows), or without a plan plan.ce_rows'
-    rule (the same rows), once per token count (host arithmetic, cached in model.cache)."""
+def loss_rows(model, lora, n_tokens, plan=None):
+    """The lm_head + loss's chunk rows for this model (an int, or None: linear_ce's default), one
+    value for all its steps, so that a step's bits never depend on its plan or its batch's size:
+    the plan's (plan.ce_rows) when a plan is given, else the first plan_for's
+    (model.cache["loss_rows"]), else plan.ce_rows' rule at this step's token count, kept in
+    model.cache for the steps after (host arithmetic, once)."""
     if plan is not None:
         return plan.ce_rows
-    key = ("ce_rows", n_tokens)
-    if key not in model.cache:
+    if "loss_rows" not in model.cache:
         r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
-        model.cache[key] = ce_rows(model.config, n_tokens, model.dtype.itemsize, r, tuple(targets) if r else (),
-                                   dropout, "head" in model.cache)
-    return model.cache[key]
+        model.cache["loss_rows"] = ce_rows(model.config, n_tokens, model.dtype.itemsize, r,
+                                           tuple(targets) if r else (), dropout, "head" in model.cache)
+    return model.cache["loss_rows"]
 
 
 def _aux_loss(loss, ctx, cfg, batch, grad_scale):

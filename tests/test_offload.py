@@ -186,7 +186,7 @@ def test_offload_peak_exact_with_dkdv_split(monkeypatch):
 
 
 def test_loss_chunk_rows_from_the_plan_same_bits_peak_exact(monkeypatch):
-    """The loss's chunk rows (plan.ce_rows; here fast_ce_rows gives 16, fewer than the interpreter's
+    """The loss's chunk rows (plan.loss_rows; here fast_loss_rows gives 16, fewer than the interpreter's
     64, so no peak can rise) reach linear_ce_fwd_bwd with and without a plan, one value per model
     (step.loss_rows): a keep step and an offload plan's give the same bits, each peak as walked;
     against the default chunks the loss is the same bits (each row's loss is computed alone), the
@@ -210,16 +210,16 @@ def test_loss_chunk_rows_from_the_plan_same_bits_peak_exact(monkeypatch):
     loss0, _ = lean.forward_backward(model, lora, batch, seed=7)  # the interpreter's default chunks
     grads0 = lora.grads.clone()
     assert seen == [None] and model.cache.pop("loss_rows") is None
-    monkeypatch.setattr(P, "fast_ce_rows", lambda *a, **k: 16)
+    monkeypatch.setattr(P, "fast_loss_rows", lambda *a, **k: 16)
     plan = make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
-    assert plan.ce_rows == 16 and loss_rows(model, lora, N + 5) == 16 == model.cache["loss_rows"]
+    assert plan.loss_rows == 16 and loss_rows(model, lora, N + 5) == 16 == model.cache["loss_rows"]
     assert make_plan(model.config, N, (U, O), lora_rank=4, lora_targets=lora.targets, act_bytes=4,
-                     loss_rows=None).ce_rows is None  # a model's own rows, given
+                     loss_rows=None).loss_rows is None  # a model's own rows, given
     seen.clear()
     _bitwise_and_peak_exact(model, lora, batch, (U, O), 4, 0.0)  # keep vs the plan: bits and peaks
     assert seen == [16, 16], seen
-    monkeypatch.setattr(P, "fast_ce_rows", lambda *a, **k: None)  # the rule now says the default ...
-    assert plan_for(model, lora, N).ce_rows == 16  # ... a model keeps the rows its steps run
+    monkeypatch.setattr(P, "fast_loss_rows", lambda *a, **k: None)  # the rule now says the default ...
+    assert plan_for(model, lora, N).loss_rows == 16  # ... a model keeps the rows its steps run
     lora.zero_grad()
     loss1, _ = lean.forward_backward(model, lora, batch, seed=7)
     assert torch.equal(loss0, loss1), f"16-row loss chunks: loss {loss1.item()} != {loss0.item()}"
@@ -240,9 +240,9 @@ def test_loss_chunk_rows_kept_only_where_the_peak_is_elsewhere(monkeypatch):
         cfg = config_from_hf(dict(PRESETS[name], **({"num_hidden_layers": layers} if layers else {})))
         plan = make_plan(cfg, 8192, (K,) * cfg.n_layers, lora_rank=16, lora_targets=TARGETS)
         default = P.walk(cfg, plan.modes, 8192, 2, 16, plan.lora_targets)
-        assert plan.ce_rows == (P.CE_FAST_ROWS if kept else None), (name, plan.ce_rows, plan.peak_at)
+        assert plan.loss_rows == (P.CE_FAST_ROWS if kept else None), (name, plan.loss_rows, plan.peak_at)
         assert plan.memory.activations == default[0], (name, plan.memory.activations, default)  # no rise, either way
-        fast = P.walk(cfg, plan.modes, 8192, 2, 16, plan.lora_targets, ce_rows=P.CE_FAST_ROWS)
+        fast = P.walk(cfg, plan.modes, 8192, 2, 16, plan.lora_targets, loss_rows=P.CE_FAST_ROWS)
         assert (fast[0] <= default[0]) == kept, (name, fast, default)
 
 

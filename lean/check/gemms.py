@@ -35,14 +35,14 @@ def gemm_paths():
 
 def lm_head_rows(case):
     """The rows of one chunk of the fused loss as the step runs them: the activation plan's rule for
-    the model's all-keep step with LoRA on every target (runtime/plan.ce_rows: more rows where the
+    the model's all-keep step with LoRA on every target (runtime/plan.decide_loss_rows: more rows where the
     peak is elsewhere), else linear_ce_fwd_bwd's default (its dh GEMM is the split-K shape)."""
     from ..kernels.linear_ce import _default_chunk_rows
     from ..runtime.lora import TARGETS
-    from ..runtime.plan import ce_rows
+    from ..runtime.plan import decide_loss_rows
 
     c, elsize = case.cfg, torch.empty((), dtype=case.dtype).element_size()
-    rows = ce_rows(c, case.n, elsize, case.r, TARGETS) if case.on_gpu else None
+    rows = decide_loss_rows(c, case.n, elsize, case.r, TARGETS) if case.on_gpu else None
     return min(rows, case.n) if rows else _default_chunk_rows(case.n, c.vocab, c.hidden, elsize, not case.on_gpu)
 
 

@@ -99,6 +99,7 @@ Caution: the kernel scratch rules below mirror kernels/lora_linear.py, kernels/l
 kernels/moe_group.py and kernels/moe_route.py, and the MoE events models/moe.py's order; the CPU
 test fails when they drift apart (where they make the peak).
 """
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -396,12 +397,12 @@ def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
 def linear_ce_scratch(N, V, C, act_bytes, rows=None):
     """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32 and the largest split-K
     workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter).
-    rows: the chunk rows the step passes (Plan.ce_rows), None: linear_ce's default."""
+    rows: the chunk rows the step passes (Plan.loss_rows), None: linear_ce's default."""
     rows = max(1, min(rows or _default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
     return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
-# The lm_head + loss in chunks of CE_FAST_ROWS rows where that costs no peak memory (Plan.ce_rows).
+# The lm_head + loss in chunks of CE_FAST_ROWS rows where that costs no peak memory (Plan.loss_rows).
 # linear_ce's default chunk is the fewest rows that keep its two GEMMs compute-bound (640 for a
 # C 2048, V 151936 head), the least scratch; more rows run faster. H100, bf16, N 8192, 2026-11-27
 # (`tools/splitk_bench.py --ce-chunks ...`, the whole op, ms at the default | 1024 | 2048 rows):
@@ -414,29 +415,29 @@ def linear_ce_scratch(N, V, C, act_bytes, rows=None):
 # and Llama-3.2-1B 85,184 -> 85,459 at +0.09 GiB, where the loss's moment is the peak: those keep
 # the default.
 CE_FAST_ROWS = 1024
-AUTO = "auto"  # make_plan's loss_rows: decide them (ce_rows) rather than take the model's (step.loss_rows)
+AUTO = "auto"  # make_plan's loss_rows: decide them (decide_loss_rows) rather than take the model's (step.loss_rows)
 
 
-def ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
-    """The lm_head + loss's chunk rows (Plan.ce_rows): fast_ce_rows' where the all-keep step's walk
-    peaks no higher with them than with linear_ce's default (its peak is elsewhere: inside an MoE
+def decide_loss_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False):
+    """The lm_head + loss's chunk rows (Plan.loss_rows): fast_loss_rows' where the all-keep step's
+    walk peaks no higher with them than with linear_ce's default (its peak is elsewhere: inside an MoE
     layer's experts), else None (the default). Decided on the all-keep step, not per plan, so that
     every plan of a model runs the same chunks: plans differ in memory and time, never in bits (the
     chunk rows tile the dh GEMM, and so its summation order)."""
-    rows = fast_ce_rows(cfg, n_tokens, act_bytes, head_host)
+    rows = fast_loss_rows(cfg, n_tokens, act_bytes, head_host)
     if rows is None:
         return None
     keep = (KEEP,) * cfg.n_layers
-    peak = lambda r: walk(cfg, keep, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, r)[0]  # noqa: E731
+    peak = lambda r: walk(cfg, keep, n_tokens, act_bytes, lora_rank, lora_targets,  # noqa: E731
+                          lora_dropout, head_host, r)[0]
     return rows if peak(rows) <= peak(None) else None
 
 
-def fast_ce_rows(cfg, n_tokens, act_bytes, head_host=False):
-    """CE_FAST_ROWS where a step could run its lm_head + loss in them (ce_rows keeps them where the
-    peak does not rise), else None: under the interpreter, with the head on the host
+def fast_loss_rows(cfg, n_tokens, act_bytes, head_host=False):
+    """CE_FAST_ROWS where a step could run its lm_head + loss in them (decide_loss_rows keeps them
+    where the peak does not rise), else None: under the interpreter, with the head on the host
     (linear_ce_vchunk's own chunks), where linear_ce's default already takes as many rows, and
     while LEAN_CE_CHUNK_ROWS is set (the experiment decides)."""
-    import os
     N, V, C = n_tokens, cfg.vocab, cfg.hidden
     if interpreting() or head_host or os.environ.get("LEAN_CE_CHUNK_ROWS"):
         return None
@@ -614,11 +615,11 @@ def _kind(cfg, li, N, act_bytes, lora_rank, lora_targets):
                  mode_bytes(cfg, N, act_bytes, OFFLOAD, lora_rank, lora_targets, li), scratch)
 
 
-def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False, ce_rows=None):
+def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=0.0, head_host=False, loss_rows=None):
     """The step's activation bytes moment by moment, as step.py, dense.py and moe.py allocate and
     free them; returns (high-water bytes, the moment it happens). head_host: the loss streams the
-    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's); ce_rows: the loss's
-    chunk rows (Plan.ce_rows; None: linear_ce's default). Without LoRA dropout the waiting dA of
+    lm_head from the host (linear_ce_vchunk's scratch instead of linear_ce's); loss_rows: the loss's
+    chunk rows (Plan.loss_rows; None: linear_ce's default). Without LoRA dropout the waiting dA of
     projections sharing an input run as one kernel (dense.proj_bwd_da): their partials coexist.
     Each layer is priced as its kind (dense or MoE: cfg.is_moe) with its own LoRA targets."""
     N, C, V = n_tokens, cfg.hidden, cfg.vocab
@@ -656,7 +657,8 @@ def walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout=
     s_d = xb + (0 if last == KEEP else xb)
     at("final norm", held + kind(len(modes) - 1).sent[last] + s_d + final)
     loss = 2 * 4
-    ce = (head_host_scratch(N, V, C, act_bytes) if head_host else linear_ce_scratch(N, V, C, act_bytes, ce_rows)) + 4  # + (1,) grad_scale
+    ce = (head_host_scratch(N, V, C, act_bytes) if head_host
+          else linear_ce_scratch(N, V, C, act_bytes, loss_rows)) + 4  # + the (1,) grad_scale
     at("lm_head + loss", held + final + loss + xb + ce)  # + dnf
     at("final norm backward", held + final + loss + 2 * xb)  # + dnf, g
     base = loss + xb  # g, through the layers' backward (nf, dnf, x_final, rstd are freed)
@@ -747,7 +749,7 @@ class Plan:
     embed_host: bool = False  # the embedding table lives in pinned host memory
     head_host: bool = False  # so does the lm_head, streamed through the loss in chunks (head_host.py)
     world: int = 1  # sharded weights over this many ranks (runtime/shard.py); 1: whole
-    ce_rows: Optional[int] = None  # the lm_head + loss's chunk rows (make_plan's loss_rows); None: the default
+    loss_rows: Optional[int] = None  # the lm_head + loss's chunk rows (make_plan's); None: linear_ce's default
 
     def policy(self, li, name):
         """keep / offload / recompute of saved row `name` in layer li."""
@@ -833,7 +835,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     head_host: its two chunk buffers are added here; a tied table moves with the head; this rank's
     parts of the layers when sharded). world > 1: sharded weights, their gather buffers and gathers
     priced. loss_rows: the lm_head + loss's chunk rows (an int, or None: linear_ce's default), as a
-    model already runs them (step.loss_rows); AUTO decides them (ce_rows)."""
+    model already runs them (step.loss_rows); AUTO decides them (decide_loss_rows)."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -841,7 +843,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
     if n_tokens < 1:
         raise PlanError(f"n_tokens={n_tokens}: a step needs at least one token")
     lora_targets = tuple(lora_targets) if lora_rank else ()
-    rows = ce_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host) \
+    rows = decide_loss_rows(cfg, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host) \
         if loss_rows is AUTO else (None if head_host else loss_rows)
     act, where = walk(cfg, modes, n_tokens, act_bytes, lora_rank, lora_targets, lora_dropout, head_host, rows)
     act += nf4_scratch_bytes(cfg, n_tokens, act_bytes)

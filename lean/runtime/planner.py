@@ -184,7 +184,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
                      embed_bytes=table if movable else 0, head_bytes=head if head_movable else 0,
                      head_on_host=head_moved, lora_dropout=dropout, world=world,
                      loss_rows=model.cache.get("loss_rows", AUTO))
-    model.cache.setdefault("loss_rows", plan.ce_rows)  # every later step of this model runs them (step.loss_rows)
+    model.cache.setdefault("loss_rows", plan.loss_rows)  # every later step of this model runs them (step.loss_rows)
     if moved:
         plan = replace(plan, embed_host=True,
                        cost=plan.cost + embed_gather_cost(model.config, n_tokens, model.dtype.itemsize, plan.rates))

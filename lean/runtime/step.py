@@ -35,7 +35,7 @@ from ..models.dense import Ctx, layer_backward, layer_forward
 from ..models.moe import MoeStep
 from .head_host import lm_head_logits, lm_head_loss
 from .offload import scheduler
-from .plan import KEEP, KEPT_ROWS, OFFLOADED, ce_rows
+from .plan import KEEP, KEPT_ROWS, OFFLOADED, decide_loss_rows
 
 
 class Kept(NamedTuple):
@@ -196,15 +196,15 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
 def loss_rows(model, lora, n_tokens, plan=None):
     """The lm_head + loss's chunk rows for this model (an int, or None: linear_ce's default), one
     value for all its steps, so that a step's bits never depend on its plan or its batch's size:
-    the plan's (plan.ce_rows) when a plan is given, else the first plan_for's
-    (model.cache["loss_rows"]), else plan.ce_rows' rule at this step's token count, kept in
-    model.cache for the steps after (host arithmetic, once)."""
+    the plan's (plan.loss_rows) when a plan is given, else the first plan_for's
+    (model.cache["loss_rows"]), else runtime/plan.decide_loss_rows at this step's token count, kept
+    in model.cache for the steps after (host arithmetic, once)."""
     if plan is not None:
-        return plan.ce_rows
+        return plan.loss_rows
     if "loss_rows" not in model.cache:
         r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
-        model.cache["loss_rows"] = ce_rows(model.config, n_tokens, model.dtype.itemsize, r,
-                                           tuple(targets) if r else (), dropout, "head" in model.cache)
+        model.cache["loss_rows"] = decide_loss_rows(model.config, n_tokens, model.dtype.itemsize, r,
+                                                    tuple(targets) if r else (), dropout, "head" in model.cache)
     return model.cache["loss_rows"]
 
 

@@ -25,7 +25,7 @@ from .head_host import head_to_host
 from .lora import TARGETS
 from .plan import (
     AUTO, DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
-    embed_gather_cost, gather_cost, head_host_bytes, head_host_cost, layer_bytes, layer_modes, make_plan,
+    decide_loss_rows, embed_gather_cost, gather_cost, head_host_bytes, head_host_cost, layer_bytes, layer_modes, make_plan,
     mode_bytes, mode_policy, plan_cost, row_bytes,
 )
 
@@ -54,8 +54,11 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     weights are sharded over that many ranks (weights_bytes counts this rank's parts; the gather
     buffers and gathers are priced: plan.gather_cost). Raises PlanError when even offloading every
     layer's input and recomputing the rest does not fit. loss_rows: the lm_head + loss's chunk rows
-    every candidate is walked with (make_plan's; AUTO: decided there)."""
+    every candidate is walked with (make_plan's; AUTO: decided here once, for all of them)."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
+    if loss_rows is AUTO:  # the all-keep step's decision, the same for every candidate (head on the host: unused)
+        loss_rows = decide_loss_rows(cfg, n_tokens, act_bytes, lora_r, tuple(lora_targets) if lora_r else (),
+                                     lora_dropout, head_on_host)
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
               budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world, loss_rows=loss_rows)
     on_gpu = lambda eh, hh: dict(  # noqa: E731

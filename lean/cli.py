@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vram-budget", type=float, field="vram_budget", help="GiB the step may use: layers are recomputed or "
       "offloaded to pinned host memory to fit (the plan and predicted peak are printed first; default: the "
       "memory the GPU has free when the run starts, which plans only when a step would not fit)")
+    a("--lora-state", choices=["auto", "device", "host"], default="auto", help="where the LoRA's master weights, "
+      "gradients and AdamW moments live (16 bytes a parameter; the GPU keeps its 2-byte compute copy): host = "
+      "pinned host memory, each update crossing the bus (an MoE model's experts at full depth); auto: host only "
+      "where --vram-budget fits no other way")
     a("--no-tensorboard", action="store_true", help="no TensorBoard log even if tensorboard is installed")
     a("--no-graph", action="store_true", help="CUDA: run every step eagerly instead of replaying one captured "
       "CUDA graph (the default where grad-accum is 1 and dropout 0, with or without --vram-budget)")
@@ -158,7 +162,7 @@ def config_from_args(args):
         report_process=None,  # on a CPU with a core to spare, the report runs beside the training
         tensorboard=not args.no_tensorboard, vram_budget=args.vram_budget, graph=not args.no_graph,
         quant="nf4" if args.load_in_4bit else None, dist_timeout=args.dist_timeout,
-        shard_weights=args.shard_weights, tables_on_host=args.tables_on_host, **recipe)
+        shard_weights=args.shard_weights, tables_on_host=args.tables_on_host, lora_state=args.lora_state, **recipe)
     if args.warmup is None and isinstance(cfg.steps, int) and cfg.steps >= 1:
         cfg.warmup_steps = min(cfg.warmup_steps, cfg.steps)  # a default warm-up never outlasts --steps
     return cfg

@@ -124,7 +124,7 @@ BAD = [
     ("hyper", lambda a: a["hyper"].to(OTHER_DEVICE), ValueError, "hyper: expected device"),
     ("hyper", lambda a: a["hyper"].double(), TypeError, "hyper: expected dtype torch.float32"),
     ("hyper", lambda a: torch.zeros(3, device=DEVICE), ValueError, r"hyper: expected shape \(2\)"),
-    ("params_lowp", lambda a: torch.zeros(37, device=DEVICE), TypeError, "params_lowp: expect"),
+    ("params_lowp", lambda a: torch.zeros(37, dtype=torch.float64, device=DEVICE), TypeError, "params_lowp: expect"),
     ("m", lambda a: a["params"], ValueError, "distinct buffers"),
 ]
 

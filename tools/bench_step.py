@@ -267,10 +267,19 @@ def lean_setup(name, layout, smoke=False, targets="all", budget_gib=None):
     staged = budget_gib is not None and cuda  # as lean-train: the tables load to the host, the plan places them
     lean, model = random_model(name, device, dtype, smoke, stage_tables=staged)
     total = SMOKE_TOKENS if smoke else TOKENS
+    state = os.environ.get("LEAN_LORA_STATE", "auto")  # lean-train's --lora-state
+    host_state = state == "host"
     if staged:  # as lean-train: the embedding leaves before the LoRA state arrives
+        from lean.runtime.plan import PlanError
         from lean.runtime.planner import early_plan
-        early_plan(model, 16, targets, 0.0, total, budget_gib)
-    lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0)
+        try:
+            early_plan(model, 16, targets, 0.0, total, budget_gib, host_state=host_state)
+        except PlanError:
+            if state != "auto":
+                raise
+            early_plan(model, 16, targets, 0.0, total, budget_gib, host_state=True)
+            host_state = True
+    lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0, host_state=host_state)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
     rng = np.random.default_rng(1)
     docs = [[rng.integers(0, model.config.vocab, n).tolist() for n in doc_lengths(layout, total)] for _ in range(2)]
@@ -383,7 +392,7 @@ def run_lean(name, layout, warmup=WARMUP, steps=8, graph=False, smoke=False, bud
     attn = targets != "all"
     row = dict(tokens=total, ms=t * 1e3, loss=loss, lora="attn" if attn else "all",
                note=" ".join(filter(None, ["QLoRA NF4 base" * bool(quant()), "LoRA q,k,v,o only" * attn,
-                                           plan_note(plan)])),
+                                           plan_note(plan), "LoRA state on the host" * lora.host_state])),
                checkpointing=plan is not None and any(m != "keep" for m in plan.modes))
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # since the process start

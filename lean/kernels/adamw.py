@@ -23,7 +23,8 @@ In:   grads (P,) fp32, bf16 or fp16 (read only; upcast to fp32 before squaring o
       a CUDA-graph-captured step replays with whatever was last written into it.
 In/out: params (P,) fp32 master weights, m (P,) and v (P,) fp32 moments (start at zero), in place.
 Out:  grad_norm (1,) fp32: the norm before clipping, written on every call.
-      params_lowp (P,) bf16/fp16, optional: the updated params cast down (round to nearest even).
+      params_lowp (P,) bf16/fp16, optional: the updated params cast down (round to nearest even); fp32
+      for a copy on the GPU of params in pinned host memory (runtime/host_state.py).
 Nothing is saved. Supported: 1 <= P < 2^31 - 2^16 (int32 offsets), t >= 1, 0 <= b1, b2 < 1.
 
 The bias corrections 1 - b^t are computed on the device as -expm1(t * log b) (a 9-term series for
@@ -165,24 +166,99 @@ def _adamw_update_kernel(
             tl.store(params_lowp_ptr + offs, p.to(params_lowp_ptr.dtype.element_ty), mask=mask)
 
 
+def _block(name, P):
+    """The block size of kernel `name` for P elements (GPU, or the interpreter's smaller ones)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (_INTERP_BIG_BLOCKS if P >= 2**18 else _INTERP_BLOCKS)[name]
+    return _GPU_BLOCKS[name]
+
+
+def adamw_sumsq_block(P):
+    """The gradients adamw_sumsq sums into one partial for a P-parameter buffer (host arithmetic)."""
+    return _block("SUMSQ", P)
+
+
+def adamw_partials(P):
+    """How many fp32 partial sums adamw_sumsq writes for P gradients (host arithmetic)."""
+    return triton.cdiv(P, _block("SUMSQ", P))
+
+
+def _on(t, device):
+    """t is readable by a kernel on `device`: on it, or in pinned host memory a GPU kernel reads over
+    the bus (Triton accepts pinned pointers; runtime/host_state.py keeps the LoRA state there)."""
+    return t.device == device or (device.type == "cuda" and t.device.type == "cpu" and t.is_pinned())
+
+
+def _check_flat(t, name, P, device, dtypes=(torch.float32,)):
+    check(t, name, shape=(P,), dtype=dtypes, contiguous=True)
+    if not _on(t, device):
+        raise ValueError(f"{name}: expected device {device} (or pinned host memory), got {t.device}"
+                         f"{' (not pinned)' if t.device.type == 'cpu' else ''}: move every argument to one device")
+
+
+def adamw_sumsq(partials, grads, P=None):
+    """partials[i] = sum of grads[i*BLOCK : (i+1)*BLOCK]^2, i < adamw_partials(P) (P = grads.numel()
+    unless given: the block size is chosen for P, so a slice of a larger buffer can be summed in the
+    blocks the whole one would use). partials may be a view into a larger array."""
+    check(grads, "grads", shape=(None,), dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous=True)
+    n = grads.shape[0]
+    block = _block("SUMSQ", n if P is None else P)
+    k = triton.cdiv(n, block)
+    check(partials, "partials", shape=(None,), dtype=torch.float32, device=grads.device, contiguous=True)
+    if partials.shape[0] < k:
+        raise ValueError(f"partials: expected at least {k} elements for {n} gradients, got {partials.shape[0]}")
+    if n:
+        _adamw_sumsq_kernel[(k,)](partials, grads, n, BLOCK=block, num_warps=8)
+
+
+def adamw_norm(grad_norm, partials, P):
+    """grad_norm = sqrt(sum of partials), one program in a fixed order (bitwise deterministic); P: the
+    gradient count the partials were summed for (it picks the block, as in adamw_sumsq)."""
+    check(partials, "partials", shape=(None,), dtype=torch.float32, contiguous=True)
+    check(grad_norm, "grad_norm", shape=(1,), dtype=torch.float32, device=partials.device)
+    _adamw_norm_kernel[(1,)](grad_norm, partials, partials.shape[0], BLOCK=_block("NORM", P), num_warps=8)
+
+
 def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
                weight_decay=0.0, max_grad_norm=None, params_lowp=None):
     """One AdamW step on the flat buffers (see the module docstring). Updates params, m, v (and
     params_lowp) in place, writes grad_norm; returns nothing. Reads no device value on the host."""
+    check(grads, "grads", shape=(None,), dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous=True)
+    P = grads.shape[0]
+    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
+    partials = torch.empty(adamw_partials(P), dtype=torch.float32, device=grad_norm.device)  # scratch
+    adamw_sumsq(partials, grads)
+    adamw_norm(grad_norm, partials, P)
+    _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
+                   params_lowp)
+
+
+def adamw_update(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.0, max_grad_norm=None, params_lowp=None):
+    """The update half of adamw_step, with grad_norm already written (adamw_sumsq + adamw_norm over
+    partials summed elsewhere, e.g. one layer at a time). params, m, v and grads may be in pinned
+    host memory (read and written over the bus by the kernel); grad_norm, hyper, params_lowp on the
+    GPU. The same bits as adamw_step's update for the same grad_norm: every element is independent."""
+    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
+    _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
+                   params_lowp)
+
+
+def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp):
     check(params, "params", shape=(None,), dtype=torch.float32, contiguous=True)
-    P, device = params.shape[0], params.device
+    check(grad_norm, "grad_norm", shape=(1,), dtype=torch.float32)
+    P, device = params.shape[0], grad_norm.device
     if P < 1:
         raise ValueError("params: expected at least one element, got P = 0")
     if P >= _MAX_P:
         raise ValueError(f"params: P = {P} is too large for int32 offsets (need P < 2^31 - 2^16)")
-    check(m, "m", shape=(P,), dtype=torch.float32, device=device, contiguous=True)
-    check(v, "v", shape=(P,), dtype=torch.float32, device=device, contiguous=True)
-    check(grad_norm, "grad_norm", shape=(1,), dtype=torch.float32, device=device)
-    check(grads, "grads", shape=(P,), dtype=(torch.float32, torch.bfloat16, torch.float16),
-          device=device, contiguous=True)
+    _check_flat(params, "params", P, device)
+    _check_flat(m, "m", P, device)
+    _check_flat(v, "v", P, device)
+    _check_flat(grads, "grads", P, device, (torch.float32, torch.bfloat16, torch.float16))
     check(hyper, "hyper", shape=(2,), dtype=torch.float32, device=device, contiguous=True)
     if params_lowp is not None:
-        check(params_lowp, "params_lowp", shape=(P,), dtype=(torch.bfloat16, torch.float16),
+        check(params_lowp, "params_lowp", shape=(P,), dtype=(torch.bfloat16, torch.float16, torch.float32),
               device=device, contiguous=True)
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= beta < 1.0:
@@ -197,22 +273,19 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
     if len(set(ptrs)) != len(ptrs) and device.type != "meta":  # meta (compile-only runs) has no addresses
         raise ValueError("params, m, v, grads and params_lowp must be distinct buffers")
 
-    blocks = _GPU_BLOCKS
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        blocks = _INTERP_BIG_BLOCKS if P >= 2**18 else _INTERP_BLOCKS
-    n_partials = triton.cdiv(P, blocks["SUMSQ"])
-    partials = torch.empty(n_partials, dtype=torch.float32, device=device)  # (n_partials,) scratch
+
+def _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
+                   params_lowp):
+    P = params.shape[0]
+    block = _block("UPDATE", P)
     # log(b) in float64 on the host, so b^t loses nothing to an fp32 b; b = 0 -> exp(-huge) = 0.
     log_beta1 = math.log(beta1) if beta1 > 0.0 else -1e4
     log_beta2 = math.log(beta2) if beta2 > 0.0 else -1e4
-
-    _adamw_sumsq_kernel[(n_partials,)](partials, grads, P, BLOCK=blocks["SUMSQ"], num_warps=8)
-    _adamw_norm_kernel[(1,)](grad_norm, partials, n_partials, BLOCK=blocks["NORM"], num_warps=8)
-    _adamw_update_kernel[(triton.cdiv(P, blocks["UPDATE"]),)](
+    _adamw_update_kernel[(triton.cdiv(P, block),)](
         params, m, v, params if params_lowp is None else params_lowp,
         grads, grad_norm, hyper, P,
         1.0 - beta1, 1.0 - beta2, log_beta1, log_beta2, eps, weight_decay,
         0.0 if max_grad_norm is None else float(max_grad_norm),
-        BLOCK=blocks["UPDATE"], CLIP=max_grad_norm is not None, WRITE_LOWP=params_lowp is not None,
+        BLOCK=block, CLIP=max_grad_norm is not None, WRITE_LOWP=params_lowp is not None,
         num_warps=8,
     )

@@ -347,7 +347,7 @@ def save_checkpoint(out_dir, lora, opt, state: dict):
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        lora.save(tmp / "adapter")
+        lora.save(tmp / "adapter")  # (host state: lora.sync() first, in state_dict)
         tensors = {"params": lora.params, "m": opt.m, "v": opt.v}
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # sync: save point
         save_tensors(tensors, tmp / "state.safetensors")
@@ -470,6 +470,7 @@ def restore_checkpoint(state, t, lora, opt):
     if t["params"].numel() != lora.params.numel():
         raise TrainError(f"the checkpoint holds {t['params'].numel()} LoRA parameters, this run "
                          f"{lora.params.numel()}: another model? Start a new run with another --out")
+    lora.sync()  # host state: no update still writing the host buffers
     lora.params.copy_(t["params"])
     lora.sync_lowp()
     lora.steps = int(state["lora_steps"])

@@ -379,6 +379,9 @@ class GradReducer:
     """
 
     def __init__(self, lora, dist, bucket_bytes=BUCKET_BYTES):
+        if lora.host_state:
+            raise ValueError("data parallel all-reduces the LoRA gradient on the GPU: the LoRA state on the host "
+                             "(host_state, --lora-state host) is for one GPU; drop one or the other")
         self.dist = dist
         L = len(lora.layers)
         lo, hi = [None] * L, [None] * L  # each layer's slice of the flat buffer

@@ -81,9 +81,9 @@ def _check_setup(model, lora, opt, budget, max_docs, plan):
     if plan is not None and plan.n_tokens < budget:
         raise StepGraphError(f"StepGraph: the activation plan was made for {plan.n_tokens} tokens, the graph's "
                              f"budget is {budget}: plan for the budget (plan_for(model, lora, {budget}, ...))")
-    if not (torch.cuda.is_available() and lora.params.is_cuda and model.device.type == "cuda"):
+    if not (torch.cuda.is_available() and lora.lowp.is_cuda and model.device.type == "cuda"):
         raise StepGraphError(f"StepGraph captures a CUDA graph: the model and LoRA must be on a CUDA device, "
-                             f"got {model.device} and {lora.params.device} (use the eager step on the CPU)")
+                             f"got {model.device} and {lora.lowp.device} (use the eager step on the CPU)")
 
 
 def _static_batch(flat, T, D):
@@ -105,7 +105,7 @@ class StepGraph:
             _check_setup(model, lora, opt, budget, max_docs, plan)
             self.model, self.lora, self.opt, self.plan, self.reducer = model, lora, opt, plan, reducer
             self.budget, self.max_docs = budget, max_docs
-            dev = lora.params.device
+            dev = lora.lowp.device
             self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
             self._scale = PinnedUpload(1, torch.float32, dev)
             self.batch = _static_batch(self._ints.dev, budget, max_docs)
@@ -148,12 +148,14 @@ class StepGraph:
         state = (self.lora.params, self.opt.m, self.opt.v, self.opt.grad_norm)
         # sync: set-up, once. On the host, so the warm-up peaks like a step (device clones of the
         # LoRA params and AdamW moments would add 12 bytes a parameter: 0.5 GiB at 8B, r=16).
+        self.lora.sync()  # host state (runtime/host_state.py): the last update has reached the host
         saved = [t.to("cpu", copy=True) for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._run()
         torch.cuda.current_stream().wait_stream(side)
+        self.lora.sync()  # host state: the warm-up's update is done before the host puts it back
         for t, s in zip(state, saved):
             t.copy_(s)
         self.lora.sync_lowp()

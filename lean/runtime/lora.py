@@ -105,7 +105,7 @@ class Adapter:
 
 
 class LoRA:
-    def __init__(self, model, r, alpha, targets, dropout=0.0, use_rslora=False, seed=0):
+    def __init__(self, model, r, alpha, targets, dropout=0.0, use_rslora=False, seed=0, host_state=False):
         if r < 1 or r != int(r):
             raise LoRAError(f"LoRA rank r={r}: must be an integer >= 1")
         if not alpha > 0:
@@ -136,21 +136,44 @@ class LoRA:
                             "expert weights (target_parameters), and neither does lean; use dropout 0 "
                             "(--dropout 0), or adapt only the attention (--targets q,k,v,o)")
         dev = model.device
-        self.params = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
-        self.grads = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
-        self.lowp = self.params if model.dtype == torch.float32 else torch.empty(off, dtype=model.dtype, device=dev)
+        self.host_state = bool(host_state)
+        self.ring = None
+        if self.host_state:  # master weights and gradients in pinned host memory (runtime/host_state.py)
+            from .host_state import GradRing, pinned
+
+            self.params, self.grads = pinned(off), pinned(off)  # (P,) fp32 host
+            self.lowp = torch.empty(off, dtype=model.dtype, device=dev)  # (P,) the GPU's copy, also in fp32
+            self.ring = GradRing(self.grads, self.layer_spans(), dev)
+        else:
+            self.params = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
+            self.grads = torch.zeros(off, dtype=torch.float32, device=dev)  # (P,)
+            self.lowp = self.params if model.dtype == torch.float32 else torch.empty(off, dtype=model.dtype, device=dev)
         self.layers = [dict() for _ in range(cfg.n_layers)]
         for i, t, o, sa, sb in self.layout:
             na, nb = _numel(sa), _numel(sb)
 
-            def views(buf):
-                return buf[o:o + na].view(sa), buf[o + na:o + na + nb].view(sb)
+            def views(buf, at=o):
+                return buf[at:at + na].view(sa), buf[at + na:at + na + nb].view(sb)
 
             a, b = views(self.params)
             al, bl = views(self.lowp)
-            da, db = views(self.grads)
+            # the gradients: host state, layer i's slot of the ring at the layer's own offsets
+            da, db = views(self.ring.slot(i), o - self.ring.spans[i][0]) if self.ring else views(self.grads)
             scale = self.target_scale(t) if t in EXPERT_TARGETS else None
             self.layers[i][t] = Adapter(a, b, al, bl, da, db, scale)
+
+    def layer_spans(self):
+        """Per layer, (start, stop) of its adapters in the flat layout (layer-major: contiguous)."""
+        spans = [[None, None] for _ in range(self.model_config.n_layers)]
+        for i, _, o, sa, sb in self.layout:
+            spans[i][0] = o if spans[i][0] is None else spans[i][0]
+            spans[i][1] = o + _numel(sa) + _numel(sb)
+        ends = [0]
+        for sp in spans:  # a layer without adapters: an empty span where the next one starts
+            if sp[0] is None:
+                sp[0] = sp[1] = ends[-1]
+            ends.append(sp[1])
+        return [tuple(sp) for sp in spans]
 
     def target_scale(self, t):
         """alpha / r of target t: gate_up's rank and alpha are both doubled (PEFT's patterns), which
@@ -160,9 +183,10 @@ class LoRA:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def init(cls, model, r=16, alpha=32, targets="all", dropout=0.0, seed=0, use_rslora=False):
-        """PEFT's initialisation from a seed: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
-        lora = cls(model, r, alpha, targets, dropout, use_rslora, seed)
+    def init(cls, model, r=16, alpha=32, targets="all", dropout=0.0, seed=0, use_rslora=False, host_state=False):
+        """PEFT's initialisation from a seed: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0. host_state: the
+        master weights, gradients and AdamW moments in pinned host memory (runtime/host_state.py)."""
+        lora = cls(model, r, alpha, targets, dropout, use_rslora, seed, host_state)
         rng = np.random.default_rng(seed)
         host = np.zeros(lora.numel, dtype=np.float32)
         for _, _, o, sa, _ in lora.layout:
@@ -246,7 +270,17 @@ class LoRA:
         return (self.seed * 7919 + self.steps) % (2**31 - 1)
 
     def zero_grad(self):
-        self.grads.zero_()
+        if self.ring is not None:  # host state: the backward zeroes each layer's slot (no host memset)
+            self.ring.fresh = True
+        else:
+            self.grads.zero_()
+
+    def sync(self):
+        """Host state: wait for the GPU's copies and updates before the host reads params or grads."""
+        if self.host_state:
+            from .host_state import sync
+
+            sync(self.lowp.device)
 
     def _peft_items(self, buf_name_or_tensor):
         """(PEFT key, view) pairs over a flat buffer laid out like params. An expert B is a
@@ -271,10 +305,12 @@ class LoRA:
         return "mlp.experts.base_layer" if t == "gate_up" and both else "mlp.experts"
 
     def state_dict(self):
+        self.sync()
         return {k: _peft_tensor(v) for k, v in self._peft_items(self.params)}
 
     def grad_state_dict(self):
         """Gradients under PEFT's key names (views into the flat gradient buffer; an expert B a copy)."""
+        self.sync()
         return {k: _peft_tensor(v) for k, v in self._peft_items(self.grads)}
 
     def peft_config(self):

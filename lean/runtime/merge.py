@@ -35,6 +35,7 @@ def merged_tensors(model, lora, dtype):
     from ..models.weights import layer_fields
 
     adapted = {}
+    lora.sync()  # host state (runtime/host_state.py): the master weights are on the host, complete
     for li in range(model.config.n_layers):
         suffix = {f: s for f, s, _ in layer_fields(model.config, li, dequantised=True)}
         for t, ad in lora.layers[li].items():
@@ -47,7 +48,8 @@ def merged_tensors(model, lora, dtype):
             w32.copy_(w)
             scale = ad.scale if ad.scale is not None else lora.scale
             swap = w.dim() == 3 and model.config.expert_bias  # GPT-OSS stores W_e (in, out): += scale (B A)^T
-            for we, b, a in zip(*((w32, ad.b, ad.a) if w.dim() == 3 else ([w32], [ad.b], [ad.a]))):
+            a_, b_ = ad.a.to(w.device), ad.b.to(w.device)  # host state: copies on the GPU
+            for we, b, a in zip(*((w32, b_, a_) if w.dim() == 3 else ([w32], [b_], [a_]))):
                 if swap:
                     matmul(we, a.t(), b.t(), accumulate=True, alpha=scale)
                 else:

@@ -6,10 +6,14 @@ on replay. A step is two halves: begin_step(lr) on the host (count the step, wri
 update() on the device (the three AdamW launches, no host value baked in: what a graph captures).
 step(lr) is both. The global gradient norm stays on the device (`grad_norm`) until a log point
 reads it.
+
+With the LoRA's state on the host (LoRA(..., host_state=True), runtime/host_state.py) the moments
+are pinned host memory too, and update() takes the norm from the partials the backward summed layer
+by layer, then runs the update kernel on the host buffers over the bus, writing the GPU's copy.
 """
 import torch
 
-from ..kernels.adamw import adamw_step
+from ..kernels.adamw import adamw_norm, adamw_step, adamw_update
 from .batch import PinnedUpload
 
 
@@ -18,9 +22,14 @@ class AdamW:
         self.lora = lora
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.max_grad_norm = max_grad_norm
-        dev = lora.params.device
-        self.m = torch.zeros_like(lora.params)  # (P,) fp32
-        self.v = torch.zeros_like(lora.params)  # (P,) fp32
+        dev = lora.lowp.device
+        if lora.host_state:
+            from .host_state import pinned
+
+            self.m, self.v = pinned(lora.numel), pinned(lora.numel)  # (P,) fp32 host
+        else:
+            self.m = torch.zeros_like(lora.params)  # (P,) fp32
+            self.v = torch.zeros_like(lora.params)  # (P,) fp32
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device=dev)
         self._hyper = PinnedUpload(2, torch.float32, dev)
         self.hyper = self._hyper.dev  # (2,) fp32 [lr, step], persistent: a captured graph reads it
@@ -38,15 +47,22 @@ class AdamW:
 
     def update(self):
         """Device half of a step: AdamW from lora.grads and `hyper`; safe to capture in a graph."""
-        lowp = None if self.lora.lowp is self.lora.params else self.lora.lowp
-        adamw_step(self.lora.params, self.m, self.v, self.grad_norm, self.lora.grads, self.hyper,
-                   beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
-                   max_grad_norm=self.max_grad_norm, params_lowp=lowp)
+        lora = self.lora
+        lowp = None if lora.lowp is lora.params else lora.lowp
+        hp = dict(beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
+                  max_grad_norm=self.max_grad_norm, params_lowp=lowp)
+        if lora.ring is None:
+            adamw_step(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, **hp)
+            return
+        adamw_norm(self.grad_norm, lora.ring.partials, lora.numel)  # the backward summed each layer's share
+        adamw_update(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, **hp)
 
     def state_dict(self):
+        self.lora.sync()
         return {"m": self.m, "v": self.v, "step": self.step_count}
 
     def load_state_dict(self, sd):
+        self.lora.sync()
         self.m.copy_(sd["m"])
         self.v.copy_(sd["v"])
         self.step_count = int(sd["step"])

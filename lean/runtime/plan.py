@@ -103,6 +103,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from ..kernels.adamw import adamw_sumsq_block
 from ..kernels.arch import arch
 from ..kernels.attention_config import attention_bwd_scratch
 from ..kernels.gemm import interpret_big, interpreting
@@ -353,17 +354,23 @@ def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
     return max((O * K for O, K in shapes if not nf4_fused(n_tokens, K, O)), default=0) * act_bytes
 
 
-def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True):
+def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True, host_state=False):
     """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
     fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
     lora.layer_targets gives it (an MoE layer's experts: A (E, R, in) and B (E, out, R), R = 2r
-    for Qwen3-MoE's gate_up, r for GPT-OSS's)."""
+    for Qwen3-MoE's gate_up, r for GPT-OSS's). host_state (runtime/host_state.py): the GPU holds
+    the compute copy (also in fp32), the ring's two slots of the largest layer's share and the
+    norm's partials; the rest is pinned host memory."""
     def numel(t):
         if t not in EXPERT_TARGETS:
             return lora_rank * sum(_proj_dims(cfg, t))
         return cfg.n_experts * lora_rank * (2 if t == "gate_up" and not cfg.expert_bias else 1) * sum(_target_shape(cfg, t))
 
-    P = sum(numel(t) for li in range(cfg.n_layers) for t in layer_targets(cfg, li, tuple(lora_targets)))
+    per_layer = [sum(numel(t) for t in layer_targets(cfg, li, tuple(lora_targets))) for li in range(cfg.n_layers)]
+    P = sum(per_layer)
+    if host_state:
+        block = adamw_sumsq_block(P) if P else 1
+        return P * act_bytes + 2 * max(max(per_layer), 1) * 4 + 4 * max(sum(_cdiv(n, block) for n in per_layer), 1)
     per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
     return P * per
 
@@ -829,13 +836,14 @@ def embed_gather_cost(cfg, n_tokens, act_bytes, rates):
 
 def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_bytes=2, weights_bytes=0,
               optimizer=True, budget_bytes=None, rates=DEFAULT_RATES, embed_host=False, lora_dropout=0.0,
-              head_host=False, world=1, loss_rows=AUTO):
+              head_host=False, world=1, loss_rows=AUTO, host_state=False):
     """The plan with these per-layer modes, its predicted memory and cost. weights_bytes: the frozen
     tensors on the GPU (without the embedding table when embed_host, without the lm_head when
     head_host: its two chunk buffers are added here; a tied table moves with the head; this rank's
     parts of the layers when sharded). world > 1: sharded weights, their gather buffers and gathers
     priced. loss_rows: the lm_head + loss's chunk rows (an int, or None: linear_ce's default), as a
-    model already runs them (step.loss_rows); AUTO decides them (decide_loss_rows)."""
+    model already runs them (step.loss_rows); AUTO decides them (decide_loss_rows). host_state: the
+    LoRA's master weights, gradients and moments in pinned host memory (runtime/host_state.py)."""
     modes = tuple(modes)
     if len(modes) != cfg.n_layers or not set(modes) <= set(MODES):
         raise PlanError(f"modes: expected {cfg.n_layers} of {', '.join(MODES)}, got {modes!r}")
@@ -851,7 +859,7 @@ def make_plan(cfg, n_tokens, modes, *, lora_rank, lora_targets=TARGETS, act_byte
         2 * n_tokens * cfg.intermediate * act_bytes if OFFLOAD_UP in modes else 0)
     if head_host:
         weights_bytes += head_host_bytes(cfg, act_bytes, world)
-    mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer),
+    mem = Memory(weights_bytes, lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer, host_state),
                  constant_bytes(cfg, n_tokens), reload, act, gather_buffer_bytes(cfg, act_bytes, world))
     cost = plan_cost(cfg, modes, n_tokens, act_bytes, rates) + gather_cost(cfg, modes, n_tokens, act_bytes, rates, world)
     embed_host = bool(embed_host or (head_host and cfg.tie_embeddings))  # a tied table goes with the head

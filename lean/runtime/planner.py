@@ -43,7 +43,7 @@ def candidates(L):
 
 def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_targets=TARGETS, act_bytes=2,
               optimizer=True, rates=None, host_budget_bytes=None, embed_bytes=0, lora_dropout=0.0, head_bytes=0,
-              head_on_host=False, world=1, loss_rows=AUTO):
+              head_on_host=False, world=1, loss_rows=AUTO, host_state=False):
     """The cheapest plan (plan_cost under `rates`, default DEFAULT_RATES) whose predicted peak fits
     budget_bytes and whose pinned host bytes fit host_budget_bytes (None: no limit); all keep when
     budget_bytes is None or it fits. embed_bytes: an untied embedding table (part of weights_bytes)
@@ -54,13 +54,15 @@ def plan_step(cfg, n_tokens, lora_r, budget_bytes, weights_bytes, *, lora_target
     weights are sharded over that many ranks (weights_bytes counts this rank's parts; the gather
     buffers and gathers are priced: plan.gather_cost). Raises PlanError when even offloading every
     layer's input and recomputing the rest does not fit. loss_rows: the lm_head + loss's chunk rows
-    every candidate is walked with (make_plan's; AUTO: decided here once, for all of them)."""
+    every candidate is walked with (make_plan's; AUTO: decided here once, for all of them). host_state:
+    the LoRA state in pinned host memory (runtime/host_state.py), counted so by every candidate."""
     L, rates = cfg.n_layers, rates or DEFAULT_RATES
     if loss_rows is AUTO:  # the all-keep step's decision, the same for every candidate (head on the host: unused)
         loss_rows = decide_loss_rows(cfg, n_tokens, act_bytes, lora_r, tuple(lora_targets) if lora_r else (),
                                      lora_dropout, head_on_host)
     kw = dict(lora_rank=lora_r, lora_targets=lora_targets, act_bytes=act_bytes, optimizer=optimizer,
-              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world, loss_rows=loss_rows)
+              budget_bytes=budget_bytes, rates=rates, lora_dropout=lora_dropout, world=world, loss_rows=loss_rows,
+              host_state=host_state)
     on_gpu = lambda eh, hh: dict(  # noqa: E731
         weights_bytes=weights_bytes - (embed_bytes if eh else 0) - (head_bytes if hh and not head_on_host else 0),
         embed_host=eh, head_host=hh)
@@ -131,7 +133,7 @@ def host_share():
     return host_memory_bytes() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
-def early_plan(model, r, targets, dropout, n_tokens, budget_gib):
+def early_plan(model, r, targets, dropout, n_tokens, budget_gib, host_state=False):
     """plan_for before the LoRA state exists (its rank, targets and dropout are all a plan reads): a plan
     that moves the embedding table to the host moves it now, so that the adapter's buffers and AdamW's
     moments are never allocated beside it (Qwen3-8B in NF4 at a 6 GiB budget would peak there)."""
@@ -139,8 +141,17 @@ def early_plan(model, r, targets, dropout, n_tokens, budget_gib):
 
     from .lora import _normalise_targets
 
-    spec = SimpleNamespace(r=r, targets=_normalise_targets(targets), dropout=dropout)
+    spec = SimpleNamespace(r=r, targets=_normalise_targets(targets), dropout=dropout, host_state=host_state,
+                           numel=_lora_numel(model.config, r, targets))
     return plan_for(model, spec, n_tokens, budget_bytes=int(budget_gib * 2**30))
+
+
+def _lora_numel(cfg, r, targets):
+    """P of a LoRA not yet allocated (lora.py's layout, counted by plan.lora_state_bytes)."""
+    from .lora import _normalise_targets
+    from .plan import lora_state_bytes
+
+    return lora_state_bytes(cfg, r, _normalise_targets(targets), 4, optimizer=False) // 8
 
 
 def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):
@@ -179,14 +190,16 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     movable = on_gpu and untied and not moved and budget_bytes is not None
     head_movable = on_gpu and not head_moved and budget_bytes is not None
     r, targets, dropout = (lora.r, lora.targets, lora.dropout) if lora is not None else (0, (), 0.0)
+    host_state = bool(getattr(lora, "host_state", False))
     host = model.cache.get("host", host_share())
-    on_host = (table if moved else 0) + (head if head_moved and model.lm_head.device.type == "cpu" else 0)
+    on_host = (table if moved else 0) + (head if head_moved and model.lm_head.device.type == "cpu" else 0) + (
+        16 * lora.numel if host_state else 0)  # the LoRA state's params, grads, m, v
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
                      host_budget_bytes=host // 2 - on_host if host else None,
                      embed_bytes=table if movable else 0, head_bytes=head if head_movable else 0,
                      head_on_host=head_moved, lora_dropout=dropout, world=world,
-                     loss_rows=model.cache.get("loss_rows", AUTO))
+                     loss_rows=model.cache.get("loss_rows", AUTO), host_state=host_state)
     model.cache.setdefault("loss_rows", plan.loss_rows)  # every later step of this model runs them (step.loss_rows)
     if moved:
         plan = replace(plan, embed_host=True,

@@ -138,9 +138,11 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
     return nf, x_final, rstd
 
 
-def _backward_layers(g, tape, plan=None, sched=None, reducer=None):
+def _backward_layers(g, tape, plan=None, sched=None, reducer=None, ring=None):
     """Every layer's backward, last to first; g = dL/d(stream) is updated in place. reducer: a
-    dist.GradReducer told as each layer's LoRA gradient is complete (data parallel)."""
+    dist.GradReducer told as each layer's LoRA gradient is complete (data parallel). ring: the LoRA
+    state on the host (host_state.GradRing): each layer's gradient slot zeroed before its backward,
+    summed into the norm's partials and copied to the host after it."""
     modes = plan.modes if plan is not None else None
     while tape.records:
         backward, saved, args = tape.records.pop()  # popping frees each layer's activations
@@ -153,11 +155,17 @@ def _backward_layers(g, tape, plan=None, sched=None, reducer=None):
         if isinstance(saved, Kept):
             x, up = (saved.x, None) if saved.x is not None else sched.wait(li)  # offloaded: reloaded
             saved = layer_forward(x, None, w, ads, ctx, li, cfg, rebuild=(saved.xa, up))[1]  # rebuild
+        if ring is not None:
+            ring.begin(li)  # its gradient slot, free once layer li+2's copy to the host is done
         g = backward(g, saved, *args)
+        if ring is not None:
+            ring.end(li)  # its norm partials, and its copy to the host
         if modes is not None and modes[li] in OFFLOADED:
             sched.release(li)  # its reload buffers may be refilled
         if reducer is not None:
             reducer.layer_done(li)  # its bucket's all-reduce may start under the layers below
+    if ring is not None:
+        ring.finish()
     return g
 
 
@@ -189,7 +197,7 @@ def forward_backward(model, lora, batch, *, grad_scale=None, seed=None, plan=Non
     g = torch.empty_like(nf)  # dL/d(stream): the residual-stream gradient, updated in place
     rmsnorm_bwd(g, None, dnf, x_final, model.norm, rstd)
     del nf, dnf, x_final, rstd  # dead: their memory serves the layers' backward (plan.py counts on it)
-    _backward_layers(g, tape, plan, sched, reducer)  # backward: every layer in reverse
+    _backward_layers(g, tape, plan, sched, reducer, lora.ring if lora is not None else None)  # every layer in reverse
     return loss[0:1], batch.n_targets
 
 

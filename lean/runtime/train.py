@@ -96,7 +96,7 @@ from .graph import StepGraph
 from . import parallel
 from .optim import AdamW
 from ..kernels.arch import describe
-from .plan import SLACK
+from .plan import SLACK, PlanError
 from .planner import early_plan, format_plan, plan_for
 from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
@@ -141,6 +141,8 @@ class TrainConfig:
     dist_timeout: int = DIST_TIMEOUT  # data parallel (torchrun): seconds a collective may wait for the other ranks
     shard_weights: bool = False   # data parallel: each rank holds 1/N of every layer's frozen weights (shard.py)
     tables_on_host: bool = False  # CUDA: the embedding and lm_head in pinned host memory (head_host.tables_to_host)
+    lora_state: str = "auto"      # LoRA master weights, gradients, AdamW moments: "device", "host" (pinned host
+                                  # memory, host_state.py), "auto": host where --vram-budget fits no other way
 
 
 # ---------------------------------------------------------------- setup
@@ -487,13 +489,30 @@ def _setup(cfg, device, dtype_name, loaded):
     plan first: it places the tables the load staged on the host (the embedding table may stay
     there) before the LoRA state is allocated."""
     model_dir, heldout, model = loaded[0], loaded[3], loaded[6]
+    gpu, one = device.startswith("cuda"), int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+    if cfg.lora_state == "host" and not (gpu and one):
+        raise TrainError("--lora-state host keeps the LoRA state in pinned host memory beside one GPU: "
+                         f"{'this run is on the CPU' if not gpu else 'data parallel all-reduces it on the GPUs'}; "
+                         "drop --lora-state host")
+    host_state = cfg.lora_state == "host"
     with _out_of_memory(model_dir, dtype_name, device):
-        if cfg.vram_budget is not None and device.startswith("cuda"):
-            early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens, cfg.vram_budget)
+        if cfg.vram_budget is not None and gpu:
+            plan = lambda h: early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout,  # noqa: E731
+                                        cfg.max_tokens, cfg.vram_budget, host_state=h)
+            try:
+                plan(host_state)
+            except PlanError:
+                if cfg.lora_state != "auto" or not one:
+                    raise
+                plan(True)  # fits with the LoRA state on the host, or raises as before
+                host_state = True
+                print(f"lean-train: the step fits --vram-budget {cfg.vram_budget} GiB only with the LoRA's "
+                      "master weights, gradients and AdamW moments in pinned host memory: moved there "
+                      "(--lora-state host; each update crosses the bus)", flush=True)
         eval_batches = [pack(b, eval_budget(cfg, device), device=device, vocab=model.config.vocab)
                         for b in pack_batches(heldout, eval_budget(cfg, device), shuffle=False)] if heldout else []
         lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=_targets(cfg.targets), dropout=cfg.dropout,
-                         seed=cfg.seed)
+                         seed=cfg.seed, host_state=host_state)
         if Path(str(cfg.model)).suffix.lower() != ".gguf":  # the adapter names the model as given: a hub id
             lora.base_model_name = str(cfg.model)        # stays an id, not this machine's cache folder
         opt = AdamW(lora, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or None)

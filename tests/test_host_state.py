@@ -1,0 +1,218 @@
+"""The LoRA state on the host (runtime/host_state.py): master weights, gradients and AdamW moments in
+pinned host memory, each layer's gradient through a ring of two GPU slots.
+
+CPU (interpreter, float32, tiny models): steps with the state on the host give the state-on-device
+steps' gradients bit for bit (dense, Qwen3-MoE, GPT-OSS; with an offload plan; with two micro-batches
+accumulated), the same parameters and moments bit for bit when clipping does not bind and within
+fp32 rounding of the clip factor when it does; the norm the ring sums layer by layer is the
+gradient's norm. The planner counts 2 bytes a parameter and the ring. GPU (`gpu`): a real-size
+step without a host sync, bit-equal to the device state, a captured graph equal to the eager step,
+and the memory it saves.
+"""
+import pytest
+import torch
+
+import lean
+from lean.kernels.adamw import adamw_sumsq_block
+from lean.runtime.optim import AdamW
+from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, lora_state_bytes, make_plan
+from tests.test_moe import moe_config
+from tests.test_offload import QWEN3_8B, QWEN3_30B_A3B, _batch, _lora, _model, _moe_model, _randint, _tiny
+from tests.util import fresh_generator
+
+
+def _pair(model, lora):
+    """A LoRA with its state on the host holding the same parameters as `lora`."""
+    twin = lean.LoRA.init(model, r=lora.r, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout,
+                          host_state=True)
+    lora.sync()
+    twin.params.copy_(lora.params.to(twin.params.device))
+    twin.sync_lowp()
+    return twin
+
+
+def _run(model, lora, opt, batches, plan=None, accumulate=1):
+    norms = []
+    for i in range(0, len(batches), accumulate):
+        lora.zero_grad()
+        for b in batches[i:i + accumulate]:
+            n = sum(x.n_targets for x in batches[i:i + accumulate])
+            lean.forward_backward(model, lora, b, seed=7 + i, plan=plan, grad_scale=1.0 / n)
+        opt.step()
+        norms.append(opt.grad_norm.clone())
+    lora.sync()
+    return norms
+
+
+def _compare(model, lora, batches, clip, plan=None, accumulate=1):
+    host = _pair(model, lora)
+    dev_opt, host_opt = AdamW(lora, lr=1e-2, max_grad_norm=clip), AdamW(host, lr=1e-2, max_grad_norm=clip)
+    n_dev = _run(model, lora, dev_opt, batches, plan, accumulate)
+    n_host = _run(model, host, host_opt, batches, plan, accumulate)
+    exact = clip is None  # a binding clip's factor may differ in the last place, and then the later steps
+    for a, b in zip(n_dev, n_host):
+        assert torch.allclose(a.cpu(), b.cpu(), rtol=2e-6, atol=0), (a, b)
+    for name, a, b in (("grads", lora.grads, host.grads), ("params", lora.params, host.params), ("m", dev_opt.m, host_opt.m),
+                       ("v", dev_opt.v, host_opt.v), ("lowp", lora.lowp, host.lowp)):
+        a, b = a.cpu(), b.cpu()
+        if exact:
+            assert torch.equal(a, b), f"{name} differs"
+        else:
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), f"{name}: {(a - b).abs().max()}"
+    return host, host_opt
+
+
+@pytest.mark.parametrize("arch,clip", [("llama", None), ("qwen3", 1e-3)])
+def test_dense_host_state_same_bits(arch, clip):
+    """Two steps of a 3-layer dense model: the host state's gradients, norm and updates are the
+    device state's (clip 1e-3 binds on every step: the updates within rounding of the factor)."""
+    gen = fresh_generator("cpu")
+    model = _model(_tiny(arch, 3), gen)
+    lora = _lora(model, 4, 0.0, gen)
+    batches = [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)]
+    host, opt = _compare(model, lora, batches, clip)
+    full = torch.linalg.vector_norm(host.grads.double())
+    assert abs(float(opt.grad_norm) - float(full)) <= 2e-6 * float(full)  # the ring's norm is the norm
+    assert host.params.device.type == "cpu" and opt.m.device.type == "cpu"
+
+
+def test_moe_host_state_with_a_plan_and_accumulation(tmp_path):
+    """Qwen3-MoE (a dense layer mixed in, experts adapted), an offload/recompute plan, and two
+    micro-batches a step: the ring reloads the first micro-batch's gradient and adds the second's."""
+    gen = fresh_generator("cpu")
+    model = _moe_model(tmp_path, gen, moe_config(8, 2, True, [1], layers=3))
+    lora = _lora(model, 4, 0.0, gen)
+    plan = make_plan(model.config, 64, (OFFLOAD, RECOMPUTE, KEEP), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
+    batches = [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)]
+    _compare(model, lora, batches, None, plan=plan, accumulate=2)
+
+
+def test_gpt_oss_host_state_same_bits():
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model
+    from tests.test_gpt_oss import oss_config
+
+    gen = fresh_generator("cpu")
+    config = oss_config(5, 2, window=4, layers=2, intermediate_size=64).to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    model = empty_model(config_from_hf(config), torch.float32, "cpu")
+    for name, t in model.hf_tensors():
+        r = torch.randn(t.shape, generator=gen)
+        t.copy_((1.0 + 0.1 * r) if name.endswith("norm.weight") else (0.3 if "router" in name else 0.05) * r)
+    lora = _lora(model, 4, 0.0, gen)
+    _compare(model, lora, [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)], 5.0)
+
+
+def test_host_state_checkpoint_and_merge_read_the_host(tmp_path):
+    """A checkpoint written from the host state restores into a device-state run, and merging reads
+    the host master weights: the same merged tensors as the device state's."""
+    from lean.runtime.checkpoint import CHECKPOINT, _read_checkpoint, restore_checkpoint, save_checkpoint
+    from lean.runtime.merge import merged_tensors
+
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("qwen3", 2), gen)
+    lora = _lora(model, 4, 0.0, gen)
+    host, opt = _compare(model, lora, [_batch(model, gen, 12)], None)
+    state = {"step": opt.step_count, "lora_steps": host.steps, "epoch": 0, "batch_index": 0, "config": {}}
+    save_checkpoint(tmp_path, host, opt, state | _rng_state())
+    twin = lean.LoRA.init(model, r=4, alpha=8, targets=lora.targets)
+    twin_opt = AdamW(twin)
+    st, t = _read_checkpoint(tmp_path / CHECKPOINT)
+    restore_checkpoint(st, t, twin, twin_opt)
+    assert torch.equal(twin.params, host.params) and torch.equal(twin_opt.m, opt.m)
+    a, b = merged_tensors(model, host, torch.float32), merged_tensors(model, lora, torch.float32)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _rng_state():
+    import random
+
+    import numpy as np
+
+    from lean.runtime.checkpoint import _np_state_to_json
+
+    return {"python_rng": random.getstate(), "numpy_rng": _np_state_to_json(np.random.get_state())}
+
+
+def test_planner_counts_the_host_state():
+    """At Qwen3-30B-A3B's shapes (r=16 on attention and experts, bf16): the GPU keeps the compute
+    copy (2 bytes a parameter) and two layers' fp32 gradients instead of 18 bytes a parameter."""
+    from lean.models.config import config_from_hf
+
+    cfg = config_from_hf(QWEN3_30B_A3B)
+    dev = lora_state_bytes(cfg, 16, lean.runtime.lora.TARGETS, 2)
+    host = lora_state_bytes(cfg, 16, lean.runtime.lora.TARGETS, 2, host_state=True)
+    P = dev // 18
+    layer = P // cfg.n_layers
+    assert dev == 18 * P and 990e6 < P < 1000e6
+    block = adamw_sumsq_block(P)
+    assert host == 2 * P + 2 * layer * 4 + 4 * (-(-layer // block)) * cfg.n_layers
+    plan = make_plan(cfg, 8192, (OFFLOAD,) * cfg.n_layers, lora_rank=16, act_bytes=2, host_state=True,
+                     embed_host=True, head_host=True,
+                     weights_bytes=0)
+    assert plan.memory.lora == host
+    dense = config_from_hf(QWEN3_8B)
+    assert lora_state_bytes(dense, 16, lean.runtime.lora.TARGETS, 2, host_state=True) < \
+        lora_state_bytes(dense, 16, lean.runtime.lora.TARGETS, 2) / 8
+
+
+def test_host_state_refuses_data_parallel():
+    from lean.runtime.dist import GradReducer
+
+    gen = fresh_generator("cpu")
+    model = _model(_tiny("llama", 2), gen)
+    lora = lean.LoRA.init(model, r=4, alpha=8, host_state=True)
+    with pytest.raises(ValueError, match="host_state"):
+        GradReducer(lora, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+@pytest.mark.gpu
+def test_host_state_bitwise_no_sync_graph_gpu():
+    """Qwen3-8B shapes, 4 layers, bf16, 8192 tokens: the host state's step (eager, no host sync) is
+    bit-equal to the device state's (clipping on, not binding); a captured graph of it replays
+    the eager step's bits (both with the TMA GEMMs at every size, as graph.py says)."""
+    from lean.kernels.gemm import tma_at_every_size
+    from lean.runtime.graph import StepGraph
+
+    gen = fresh_generator("cuda")
+    model = _model(QWEN3_8B | {"num_hidden_layers": 4}, gen, torch.bfloat16, "cuda")
+    lora = _lora(model, 16, 0.0, gen)
+    batches = [_batch(model, gen, 8192, device="cuda", mean=512) for _ in range(2)]
+    host = _pair(model, lora)
+    dev_opt, host_opt = AdamW(lora, max_grad_norm=1e6), AdamW(host, max_grad_norm=1e6)
+    _run(model, lora, dev_opt, batches[:1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host.zero_grad()
+        lean.forward_backward(model, host, batches[0], seed=7)
+        host_opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    host.sync()
+    for a, b in ((lora.grads, host.grads), (lora.params, host.params), (dev_opt.m, host_opt.m),
+                 (dev_opt.v, host_opt.v), (lora.lowp, host.lowp)):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert host.params.is_pinned() and host_opt.v.is_pinned() and not host.grads.is_cuda
+    # the captured step: replays equal the eager step (both from the same state, same batch)
+    graph = StepGraph(model, host, host_opt, budget=8192, max_docs=64)
+    eager = _pair(model, host)
+    eager_opt = AdamW(eager, max_grad_norm=1e6)
+    eager_opt.m.copy_(host_opt.m)
+    eager_opt.v.copy_(host_opt.v)
+    eager_opt.step_count = host_opt.step_count
+    docs = [([int(x) for x in torch.randint(0, model.config.vocab, (n,), generator=gen, device="cuda")], None)
+            for n in (3000, 2000, 1500, 1692)]
+    gb = graph.pack([(d, [True] * len(d)) for d, _ in docs])
+    graph.step(gb)
+    eb = lean.pack([(d, [True] * len(d)) for d, _ in docs], 8192, pad_to=8192, max_docs=64, device="cuda")
+    with tma_at_every_size():
+        eager.zero_grad()
+        lean.forward_backward(model, eager, eb, seed=0)
+        eager_opt.step()
+    host.sync()
+    eager.sync()
+    assert torch.equal(host.params, eager.params) and torch.equal(host_opt.v, eager_opt.v)

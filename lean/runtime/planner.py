@@ -173,7 +173,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
         if ("rates", n_tokens) not in model.cache:
             model.cache["rates", n_tokens] = measure_rates(model, n_tokens)
         rates = model.cache["rates", n_tokens]
-    staged = model.cache.pop("staged", False) and on_gpu  # tables loaded to the host for this plan to place
+    staged = model.cache.get("staged", False) and on_gpu  # tables loaded to the host for this plan to place
     seen, weights = set(), 0
     for t in [model.embed, model.lm_head, model.norm] + [b for layer in model.layers for b in (layer.buf, layer.qbuf)]:
         if t.data_ptr() not in seen and (t.device.type == model.device.type or staged and t is not model.norm):
@@ -200,6 +200,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
                      embed_bytes=table if movable else 0, head_bytes=head if head_movable else 0,
                      head_on_host=head_moved, lora_dropout=dropout, world=world,
                      loss_rows=model.cache.get("loss_rows", AUTO), host_state=host_state)
+    model.cache.pop("staged", None)  # placed below: a plan that raised (PlanError) left them for the next try
     model.cache.setdefault("loss_rows", plan.loss_rows)  # every later step of this model runs them (step.loss_rows)
     if moved:
         plan = replace(plan, embed_host=True,

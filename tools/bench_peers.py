@@ -87,7 +87,7 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT ta
 GATE_UP_PATTERN = ".*\\.gate_up_proj"  # the key PEFT's Qwen3-MoE mapping writes (lean.runtime.lora's too)
 EXPERTS = {"hf": "grouped_mm", "hf-default": None, "liger": "grouped_mm"}  # experts_implementation per framework
 HF_ATTN_ENV = "BENCH_HF_ATTN"  # set: the HF rows' attn_implementation (e.g. eager, if flex fails on GPT-OSS)
-FOLDERS = "/tmp/bench_step"
+FOLDERS = os.environ.get("BENCH_FOLDERS", "/tmp/bench_step")  # a full-depth 30B's 61 GB: /dev/shm (disk 64 GiB)
 CUDART = ["/tmp/site/_cudart/libcudart.so.12", os.path.join(os.path.dirname(TOOLS), ".whl/a/libcudart.so.12")]
 
 
@@ -291,6 +291,9 @@ def write_folder(name, smoke):
     for old in (folder, folder + ".tmp"):  # a stale folder, or one a killed write left
         shutil.rmtree(old, ignore_errors=True)
     model = build_hf(name, smoke, device, dtype)  # an MXFP4 config: saved with bf16 experts
+    if os.environ.get("BENCH_FOLDER_SAVE") == "cpu":  # built on the GPU (HF's init on the CPU: minutes a
+        model = model.to("cpu")                        # 30B), saved from the host (the save's copies would not fit)
+        torch.cuda.empty_cache()
     model.config.update(dict(pad_token_id=1, bos_token_id=2, eos_token_id=3))
     model.save_pretrained(folder + ".tmp")
     vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, **{chr(97 + i): 4 + i for i in range(26)}}
@@ -302,7 +305,8 @@ def write_folder(name, smoke):
 
 
 def folder_path(name, smoke):
-    return os.path.join(FOLDERS, name + ("-smoke" if smoke else ""))
+    n = bench_step.model_config(name, smoke)["num_hidden_layers"]  # a cut model is its own folder
+    return os.path.join(FOLDERS, f"{name}-L{n}" + ("-smoke" if smoke else ""))
 
 
 def ensure_folder(name, smoke):

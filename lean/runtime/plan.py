@@ -114,6 +114,7 @@ from ..kernels.lora_grad import _GRAD, _block_r
 from ..kernels.moe_group import _group_config
 from ..kernels.moe_route import _rows_config as _route_rows_config
 from ..kernels.swiglu import lora_chunking as swiglu_lora_chunking
+from ..models.moe import mxfp4_group
 from .lora import EXPERT_TARGETS, TARGETS, _target_shape, layer_targets
 
 GiB = 1 << 30
@@ -206,12 +207,13 @@ MOE_PLAN = (  # what an MoE layer's block saves: moe.MoeSaved, in its field orde
 # dA's input), dhb = dh B_gu, dX the sorted dL/dn2 rows, dlogits; route_part, route_topk_fwd's
 # prob_sum partials (the aux loss on, not in a rebuild); hist, group_slots' (blocks, E) int32;
 # ws_fwd / ws_bwd, the router GEMMs' split-K workspaces (gemm_splitk.py; 0 under the interpreter);
-# wq_gu / wq_d, an MXFP4 expert weight (gate_up's, down's) dequantised for one grouped GEMM (moe._wgmm).
+# wq_gu / wq_d, an MXFP4 expert weight (gate_up's, down's) dequantised for one grouped GEMM, Eq of its
+# experts at a time (moe._wgmm, moe.mxfp4_group).
 MOE_EXTRA = (
     Row("e_act", "P,Fe", "act"), Row("y", "P,C", "act"),
     Row("gb", "P,R", "act", "down_e"), Row("G", "P,Fe", "act"), Row("dw", "N,K", "fp32"),
     Row("dhb", "P,Rgu", "act", "gate_up"), Row("dX", "P,C", "act"), Row("dlogits", "N,E", "act"),
-    Row("wq_gu", "E,2*Fe,C", "act", "mxfp4"), Row("wq_d", "E,C,Fe", "act", "mxfp4"),  # MXFP4 experts, dequantised
+    Row("wq_gu", "Eq,2*Fe,C", "act", "mxfp4"), Row("wq_d", "Eq,C,Fe", "act", "mxfp4"),  # MXFP4 experts, dequantised
 )
 
 # What layer_forward holds at its peak (the down projection) besides Saved: its input act (dropped
@@ -260,7 +262,7 @@ ATTENTION_MOMENTS = (  # an MoE layer's backward ends with these too (moe_backwa
 def _sym(cfg, n_tokens, lora_rank, n_xa):
     return {"N": n_tokens, "C": cfg.hidden, "H": cfg.n_heads, "KVH": cfg.n_kv_heads, "D": cfg.head_dim,
             "F": cfg.intermediate, "R*": lora_rank * n_xa, "R": lora_rank, "E": cfg.n_experts, "K": cfg.top_k,
-            "P": n_tokens * cfg.top_k, "Fe": cfg.moe_intermediate,
+            "P": n_tokens * cfg.top_k, "Fe": cfg.moe_intermediate, "Eq": mxfp4_group(cfg.n_experts),
             "Rgu": lora_rank * (1 if cfg.expert_bias else 2)}  # gate_up's expert rank: 2r (Qwen3-MoE), r (GPT-OSS)
 
 

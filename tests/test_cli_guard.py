@@ -131,6 +131,7 @@ BAD = [
     (["--resume", "--overwrite"], "--resume and --overwrite: pass one"),
     (["--dtype", "bfloat16"], "--dtype bfloat16 on the CPU"),
     (["--sample-tokens", "2", "--sample-prompt", " "], "--sample-prompt is empty"),
+    (["--lora-state", "host"], "--lora-state host keeps the LoRA state in pinned host memory beside a GPU"),
 ]
 
 

@@ -54,6 +54,7 @@ xad_s. act_s and y_s are not: act_s is written again by the backward's fused ker
 needed (dw comes from G_s and act_s). n2 is not saved either (dense.py writes it again over dn2,
 as for the dense MLP's dA).
 """
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -112,7 +113,7 @@ MXFP4_FUSED = False
 # The transient holds MXFP4_GROUPS-th of the experts at a time: the experts are dequantised and
 # multiplied group by group (gmm over the group's offsets and weights: the same tiles, so the same bits),
 # so gpt-oss-20b's gate_up transient is 0.27 GB instead of 1.06 (its MXFP4 step under 12.8 GiB).
-MXFP4_GROUPS = 4
+MXFP4_GROUPS = int(os.environ.get("LEAN_MXFP4_GROUPS", "4"))  # the variable: for experiments (1: all at once)
 
 
 def mxfp4_group(E):

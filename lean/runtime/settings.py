@@ -80,6 +80,12 @@ RANGES = {
 }
 
 
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_config(cfg):
     """ConfigError for the first setting of cfg (a TrainConfig) outside what is allowed."""
     for field, (flag, allowed) in RANGES.items():
@@ -105,6 +111,9 @@ def check_config(cfg):
         raise ConfigError("--sample-prompt is empty: pass a prompt, or --sample-tokens 0 for no samples")
     _check_targets(cfg.targets)
     _check_device_dtype(cfg.device, cfg.dtype)
+    if getattr(cfg, "lora_state", "auto") == "host" and str(cfg.device or ("cuda" if _cuda() else "cpu")) == "cpu":
+        raise ConfigError("--lora-state host keeps the LoRA state in pinned host memory beside a GPU: on the CPU "
+                          "it is there already; drop --lora-state host")
     _check_paths(cfg.model, cfg.data)
     _check_out(cfg.out_dir, cfg.model, cfg.data)
 

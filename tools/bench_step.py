@@ -321,15 +321,18 @@ def graph_equals_eager(lean, graph, model, lora, opt, docs, plan):
     state on the same fixed-shape batch: True when the loss and the updated LoRA parameters are
     bit-equal. The state is put back after each (the timed steps start where they would have)."""
     state = [lora.params, opt.m, opt.v, opt.grad_norm]
+    lora.sync()  # the LoRA state on the host: no update still writing it (a no-op otherwise)
     saved, count = [t.clone() for t in state], opt.step_count
 
     def restore():
+        lora.sync()
         for t, s in zip(state, saved):
             t.copy_(s)
         lora.sync_lowp()
         opt.step_count = count
 
     loss_g, _ = graph.step(graph.pack(docs))
+    lora.sync()
     params_g = lora.params.clone()
     restore()
     eager_batch = lean.pack(docs, graph.budget, pad_to=graph.budget, max_docs=graph.max_docs, device="cuda")
@@ -339,6 +342,7 @@ def graph_equals_eager(lean, graph, model, lora, opt, docs, plan):
     with tma_at_every_size():  # the kernels StepGraph captured
         loss_e, _ = lean.forward_backward(model, lora, eager_batch, seed=0, plan=plan)
     opt.step()
+    lora.sync()
     same = torch.equal(loss_g, loss_e) and torch.equal(params_g, lora.params)  # host sync: a check, before timing
     restore()
     return bool(same)

@@ -111,7 +111,8 @@ def _experts(w, cfg):
 # the planner as "wq_gu" / "wq_d") is the default until its tile decode is reworked; both paths are tested.
 MXFP4_FUSED = False
 # The transient holds MXFP4_GROUPS-th of the experts at a time: the experts are dequantised and
-# multiplied group by group (gmm over the group's offsets and weights: the same tiles, so the same bits),
+# multiplied group by group (gmm over the group's offsets and weights: on a GPU the same tiles, so the
+# same bits; the interpreter's tile follows rows per expert and may differ),
 # so gpt-oss-20b's gate_up transient is 0.27 GB instead of 1.06 (its MXFP4 step under 12.8 GiB).
 MXFP4_GROUPS = int(os.environ.get("LEAN_MXFP4_GROUPS", "4"))  # the variable: for experiments (1: all at once)
 

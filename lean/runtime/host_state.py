@@ -36,7 +36,10 @@ way), and within fp32 rounding of the factor when it binds (tests/test_host_stat
 No host sync in a step: every wait is an event between the two streams, so a captured step
 (graph.py) holds the copies too. The host may read params, grads, m, v only after sync() (a
 checkpoint, merge, the tests do). Not with data parallel or sharded weights (their reducer
-all-reduces lora.grads on the GPU).
+all-reduces lora.grads on the GPU). Cautions: zero_grad does not clear lora.grads on the host (each
+backward overwrites it layer by layer), so an optimizer step with no backward after zero_grad reuses
+the last gradient; torch's pinned allocator rounds each buffer up to a power of two (plan_for counts
+the rounded bytes against the host's share).
 """
 import torch
 
@@ -63,6 +66,15 @@ class GradRing:
         self.done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # a slot's copy to the host
         self.issued = [False, False]  # done[s] recorded in this backward pass
         self.fresh = True  # the next pass starts a step (zero_grad): slots are zeroed, not reloaded
+
+    def start(self):
+        """zero_grad: the next pass starts a step (its slots zeroed). A pass that stopped before
+        finish() (an exception) may have copies in flight: the compute stream waits for them here,
+        and the next pass waits on none of its events."""
+        if self.cuda and any(self.issued):
+            torch.cuda.current_stream().wait_stream(self.copy)
+        self.fresh = True
+        self.issued = [False, False]
 
     def slot(self, li):
         """Layer li's gradient buffer: a view of its slot, as long as the layer's share."""

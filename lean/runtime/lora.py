@@ -270,8 +270,8 @@ class LoRA:
         return (self.seed * 7919 + self.steps) % (2**31 - 1)
 
     def zero_grad(self):
-        if self.ring is not None:  # host state: the backward zeroes each layer's slot (no host memset)
-            self.ring.fresh = True
+        if self.ring is not None:  # host state: the backward zeroes each layer's slot (no host memset;
+            self.ring.start()     # lora.grads keeps the last backward's values until the next one)
         else:
             self.grads.zero_()
 

@@ -146,6 +146,11 @@ def early_plan(model, r, targets, dropout, n_tokens, budget_gib, host_state=Fals
     return plan_for(model, spec, n_tokens, budget_bytes=int(budget_gib * 2**30))
 
 
+def _pow2(n):
+    """n rounded up to a power of two (torch's pinned-memory allocator takes blocks of these)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def _lora_numel(cfg, r, targets):
     """P of a LoRA not yet allocated (lora.py's layout, counted by plan.lora_state_bytes)."""
     from .lora import _normalise_targets
@@ -193,7 +198,7 @@ def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=Non
     host_state = bool(getattr(lora, "host_state", False))
     host = model.cache.get("host", host_share())
     on_host = (table if moved else 0) + (head if head_moved and model.lm_head.device.type == "cpu" else 0) + (
-        16 * lora.numel if host_state else 0)  # the LoRA state's params, grads, m, v
+        4 * _pow2(4 * lora.numel) if host_state else 0)  # the LoRA state's params, grads, m, v (pinned: rounded up)
     plan = plan_step(model.config, n_tokens, r, budget_bytes, weights, lora_targets=targets,
                      act_bytes=model.dtype.itemsize, optimizer=optimizer, rates=rates,
                      host_budget_bytes=host // 2 - on_host if host else None,

@@ -501,10 +501,13 @@ def _setup(cfg, device, dtype_name, loaded):
                                         cfg.max_tokens, cfg.vram_budget, host_state=h)
             try:
                 plan(host_state)
-            except PlanError:
+            except PlanError as first:
                 if cfg.lora_state != "auto" or not one:
                     raise
-                plan(True)  # fits with the LoRA state on the host, or raises as before
+                try:
+                    plan(True)  # fits with the LoRA state on the host
+                except PlanError:
+                    raise first from None  # nor with it there: the error of the plan as asked
                 host_state = True
                 print(f"lean-train: the step fits --vram-budget {cfg.vram_budget} GiB only with the LoRA's "
                       "master weights, gradients and AdamW moments in pinned host memory: moved there "

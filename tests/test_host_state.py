@@ -62,10 +62,11 @@ def _compare(model, lora, batches, clip, plan=None, accumulate=1):
     return host, host_opt
 
 
-@pytest.mark.parametrize("arch,clip", [("llama", None), ("qwen3", 1e-3)])
+@pytest.mark.parametrize("arch,clip", [("qwen3", 1e-3)])
 def test_dense_host_state_same_bits(arch, clip):
     """Two steps of a 3-layer dense model: the host state's gradients, norm and updates are the
-    device state's (clip 1e-3 binds on every step: the updates within rounding of the factor)."""
+    device state's (clip 1e-3 binds on every step: the updates within rounding of the factor; the
+    bit-equal updates without clipping: the MoE test below)."""
     gen = fresh_generator("cpu")
     model = _model(_tiny(arch, 3), gen)
     lora = _lora(model, 4, 0.0, gen)

@@ -128,4 +128,4 @@ def pinned(n, dtype=torch.float32):
 def sync(device):
     """Wait for the GPU before the host reads the state (a save point)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # sync: a save point (checkpoint, merge, state_dict), never in a step

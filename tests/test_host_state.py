@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lean
-from lean.kernels.adamw import adamw_sumsq_block
+from lean.kernels.adamw import adamw_partials
 from lean.runtime.optim import AdamW
 from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, lora_state_bytes, make_plan
 from tests.test_moe import moe_config
@@ -146,8 +146,7 @@ def test_planner_counts_the_host_state():
     P = dev // 18
     layer = P // cfg.n_layers
     assert dev == 18 * P and 990e6 < P < 1000e6
-    block = adamw_sumsq_block(P)
-    assert host == 2 * P + 2 * layer * 4 + 4 * (-(-layer // block)) * cfg.n_layers
+    assert host == 2 * P + 2 * layer * 4 + 4 * adamw_partials(layer, P) * cfg.n_layers
     plan = make_plan(cfg, 8192, (OFFLOAD,) * cfg.n_layers, lora_rank=16, act_bytes=2, host_state=True,
                      embed_host=True, head_host=True,
                      weights_bytes=0)

@@ -269,16 +269,9 @@ def lean_setup(name, layout, smoke=False, targets="all", budget_gib=None):
     total = SMOKE_TOKENS if smoke else TOKENS
     state = os.environ.get("LEAN_LORA_STATE", "auto")  # lean-train's --lora-state
     host_state = state == "host"
-    if staged:  # as lean-train: the embedding leaves before the LoRA state arrives
-        from lean.runtime.plan import PlanError
+    if staged:  # as lean-train: the embedding leaves before the LoRA state arrives (or goes to the host)
         from lean.runtime.planner import early_plan
-        try:
-            early_plan(model, 16, targets, 0.0, total, budget_gib, host_state=host_state)
-        except PlanError:
-            if state != "auto":
-                raise
-            early_plan(model, 16, targets, 0.0, total, budget_gib, host_state=True)
-            host_state = True
+        host_state = early_plan(model, 16, targets, 0.0, total, budget_gib, lora_state=state)
     lora = lean.LoRA.init(model, r=16, alpha=32, targets=targets, dropout=0.0, seed=0, host_state=host_state)
     opt = lean.AdamW(lora, lr=1e-4, max_grad_norm=1.0)
     rng = np.random.default_rng(1)

@@ -173,14 +173,10 @@ def _block(name, P):
     return _GPU_BLOCKS[name]
 
 
-def adamw_sumsq_block(P):
-    """The gradients adamw_sumsq sums into one partial for a P-parameter buffer (host arithmetic)."""
-    return _block("SUMSQ", P)
-
-
-def adamw_partials(P):
-    """How many fp32 partial sums adamw_sumsq writes for P gradients (host arithmetic)."""
-    return triton.cdiv(P, _block("SUMSQ", P))
+def adamw_partials(n, P=None):
+    """How many fp32 partial sums adamw_sumsq writes for n gradients, in the blocks of a P-parameter
+    buffer (default P = n; host arithmetic)."""
+    return triton.cdiv(n, _block("SUMSQ", n if P is None else P))
 
 
 def _on(t, device):
@@ -202,8 +198,7 @@ def adamw_sumsq(partials, grads, P=None):
     blocks the whole one would use). partials may be a view into a larger array."""
     check(grads, "grads", shape=(None,), dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous=True)
     n = grads.shape[0]
-    block = _block("SUMSQ", n if P is None else P)
-    k = triton.cdiv(n, block)
+    block, k = _block("SUMSQ", n if P is None else P), adamw_partials(n, P)
     check(partials, "partials", shape=(None,), dtype=torch.float32, device=grads.device, contiguous=True)
     if partials.shape[0] < k:
         raise ValueError(f"partials: expected at least {k} elements for {n} gradients, got {partials.shape[0]}")
@@ -223,9 +218,8 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
                weight_decay=0.0, max_grad_norm=None, params_lowp=None):
     """One AdamW step on the flat buffers (see the module docstring). Updates params, m, v (and
     params_lowp) in place, writes grad_norm; returns nothing. Reads no device value on the host."""
-    check(grads, "grads", shape=(None,), dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous=True)
-    P = grads.shape[0]
     _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
+    P = params.shape[0]
     partials = torch.empty(adamw_partials(P), dtype=torch.float32, device=grad_norm.device)  # scratch
     adamw_sumsq(partials, grads)
     adamw_norm(grad_norm, partials, P)

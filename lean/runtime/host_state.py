@@ -43,7 +43,7 @@ the rounded bytes against the host's share).
 """
 import torch
 
-from ..kernels.adamw import adamw_sumsq, adamw_sumsq_block
+from ..kernels.adamw import adamw_partials, adamw_sumsq
 
 
 class GradRing:
@@ -59,7 +59,7 @@ class GradRing:
         self.bases, k = [], 0
         for a, b in spans:  # each layer's partials, blocks chosen for the whole P (adamw_sumsq's P=)
             self.bases.append(k)
-            k += _partials(b - a, self.P)
+            k += adamw_partials(b - a, self.P)
         self.partials = torch.zeros(max(k, 1), dtype=torch.float32, device=device)  # (K,)
         self.cuda = device.type == "cuda"
         self.copy = torch.cuda.Stream(device) if self.cuda else None
@@ -113,11 +113,6 @@ class GradRing:
             torch.cuda.current_stream().wait_stream(self.copy)
         self.issued = [False, False]
         self.fresh = False
-
-
-def _partials(n, P):
-    """Partial sums adamw_sumsq writes for n gradients with the blocks of a P-parameter buffer."""
-    return -(-n // adamw_sumsq_block(P))
 
 
 def pinned(n, dtype=torch.float32):

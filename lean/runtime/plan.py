@@ -103,7 +103,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from ..kernels.adamw import adamw_sumsq_block
+from ..kernels.adamw import adamw_partials
 from ..kernels.arch import arch
 from ..kernels.attention_config import attention_bwd_scratch
 from ..kernels.gemm import interpret_big, interpreting
@@ -356,6 +356,16 @@ def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
     return max((O * K for O, K in shapes if not nf4_fused(n_tokens, K, O)), default=0) * act_bytes
 
 
+def lora_numels(cfg, lora_rank, lora_targets):
+    """Per layer, its LoRA parameters (lora.py's layout): the adapters lora.layer_targets gives it."""
+    def numel(t):
+        if t not in EXPERT_TARGETS:
+            return lora_rank * sum(_proj_dims(cfg, t))
+        return cfg.n_experts * lora_rank * (2 if t == "gate_up" and not cfg.expert_bias else 1) * sum(_target_shape(cfg, t))
+
+    return [sum(numel(t) for t in layer_targets(cfg, li, tuple(lora_targets))) for li in range(cfg.n_layers)]
+
+
 def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True, host_state=False):
     """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
     fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
@@ -363,16 +373,10 @@ def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True, ho
     for Qwen3-MoE's gate_up, r for GPT-OSS's). host_state (runtime/host_state.py): the GPU holds
     the compute copy (also in fp32), the ring's two slots of the largest layer's share and the
     norm's partials; the rest is pinned host memory."""
-    def numel(t):
-        if t not in EXPERT_TARGETS:
-            return lora_rank * sum(_proj_dims(cfg, t))
-        return cfg.n_experts * lora_rank * (2 if t == "gate_up" and not cfg.expert_bias else 1) * sum(_target_shape(cfg, t))
-
-    per_layer = [sum(numel(t) for t in layer_targets(cfg, li, tuple(lora_targets))) for li in range(cfg.n_layers)]
+    per_layer = lora_numels(cfg, lora_rank, lora_targets)
     P = sum(per_layer)
     if host_state:
-        block = adamw_sumsq_block(P) if P else 1
-        return P * act_bytes + 2 * max(max(per_layer), 1) * 4 + 4 * max(sum(_cdiv(n, block) for n in per_layer), 1)
+        return P * act_bytes + 2 * max(max(per_layer), 1) * 4 + 4 * max(sum(adamw_partials(n, P) for n in per_layer), 1)
     per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
     return P * per
 

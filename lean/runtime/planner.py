@@ -133,30 +133,38 @@ def host_share():
     return host_memory_bytes() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
-def early_plan(model, r, targets, dropout, n_tokens, budget_gib, host_state=False):
+def early_plan(model, r, targets, dropout, n_tokens, budget_gib, lora_state="device"):
     """plan_for before the LoRA state exists (its rank, targets and dropout are all a plan reads): a plan
     that moves the embedding table to the host moves it now, so that the adapter's buffers and AdamW's
-    moments are never allocated beside it (Qwen3-8B in NF4 at a 6 GiB budget would peak there)."""
+    moments are never allocated beside it (Qwen3-8B in NF4 at a 6 GiB budget would peak there).
+    lora_state: "device", "host" (runtime/host_state.py) or "auto": the device where a plan fits the
+    budget so, else the host (PlanError, the device's, when neither fits). Returns whether the LoRA
+    state goes to the host (LoRA.init's host_state)."""
     from types import SimpleNamespace
 
     from .lora import _normalise_targets
+    from .plan import lora_numels
 
-    spec = SimpleNamespace(r=r, targets=_normalise_targets(targets), dropout=dropout, host_state=host_state,
-                           numel=_lora_numel(model.config, r, targets))
-    return plan_for(model, spec, n_tokens, budget_bytes=int(budget_gib * 2**30))
+    targets = _normalise_targets(targets)
+    spec = lambda host: SimpleNamespace(r=r, targets=targets, dropout=dropout, host_state=host,  # noqa: E731
+                                        numel=sum(lora_numels(model.config, r, targets)))
+    plan = lambda host: plan_for(model, spec(host), n_tokens, budget_bytes=int(budget_gib * 2**30))  # noqa: E731
+    try:
+        plan(lora_state == "host")
+        return lora_state == "host"
+    except PlanError as first:
+        if lora_state != "auto":
+            raise
+        try:
+            plan(True)
+        except PlanError:
+            raise first from None  # nor with it there: the error of the plan as asked
+        return True
 
 
 def _pow2(n):
     """n rounded up to a power of two (torch's pinned-memory allocator takes blocks of these)."""
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _lora_numel(cfg, r, targets):
-    """P of a LoRA not yet allocated (lora.py's layout, counted by plan.lora_state_bytes)."""
-    from .lora import _normalise_targets
-    from .plan import lora_state_bytes
-
-    return lora_state_bytes(cfg, r, _normalise_targets(targets), 4, optimizer=False) // 8
 
 
 def plan_for(model, lora, n_tokens, budget_bytes=None, optimizer=True, rates=None):

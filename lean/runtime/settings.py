@@ -80,12 +80,6 @@ RANGES = {
 }
 
 
-def _cuda():
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def check_config(cfg):
     """ConfigError for the first setting of cfg (a TrainConfig) outside what is allowed."""
     for field, (flag, allowed) in RANGES.items():
@@ -110,8 +104,8 @@ def check_config(cfg):
     if cfg.sample_tokens and not str(cfg.sample_prompt or "").strip():
         raise ConfigError("--sample-prompt is empty: pass a prompt, or --sample-tokens 0 for no samples")
     _check_targets(cfg.targets)
-    _check_device_dtype(cfg.device, cfg.dtype)
-    if getattr(cfg, "lora_state", "auto") == "host" and str(cfg.device or ("cuda" if _cuda() else "cpu")) == "cpu":
+    kind = _check_device_dtype(cfg.device, cfg.dtype)
+    if getattr(cfg, "lora_state", "auto") == "host" and kind == "cpu":
         raise ConfigError("--lora-state host keeps the LoRA state in pinned host memory beside a GPU: on the CPU "
                           "it is there already; drop --lora-state host")
     _check_paths(cfg.model, cfg.data)
@@ -132,6 +126,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_device_dtype(device, dtype):
+    """ConfigError for a device or dtype lean cannot run; else the device kind, "cuda" or "cpu"."""
     import torch
 
     if dtype is not None and dtype not in DTYPES:
@@ -148,13 +143,14 @@ def _check_device_dtype(device, dtype):
                               "--device out (or pass --device cpu) to run on the CPU")
         if index and int(index) >= n:
             raise ConfigError(f"--device {device}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
-        return
+        return "cuda"
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("--device cpu: the kernels run on the CPU through Triton's interpreter, which must "
                           "be on before lean is imported: run with TRITON_INTERPRET=1 in the environment")
     if dtype == "bfloat16":
         raise ConfigError("--dtype bfloat16 on the CPU: Triton's interpreter does not compute bfloat16 "
                           "right; use float32 (the CPU default) or float16, or a CUDA GPU")
+    return "cpu"
 
 
 def _check_out(out, model, data):

@@ -96,7 +96,7 @@ from .graph import StepGraph
 from . import parallel
 from .optim import AdamW
 from ..kernels.arch import describe
-from .plan import SLACK, PlanError
+from .plan import SLACK
 from .planner import early_plan, format_plan, plan_for
 from .report import ReportJob, report_in_process
 from .settings import HELDOUT_TOKENS, check_config
@@ -497,18 +497,9 @@ def _setup(cfg, device, dtype_name, loaded):
     host_state = cfg.lora_state == "host"
     with _out_of_memory(model_dir, dtype_name, device):
         if cfg.vram_budget is not None and gpu:
-            plan = lambda h: early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout,  # noqa: E731
-                                        cfg.max_tokens, cfg.vram_budget, host_state=h)
-            try:
-                plan(host_state)
-            except PlanError as first:
-                if cfg.lora_state != "auto" or not one:
-                    raise
-                try:
-                    plan(True)  # fits with the LoRA state on the host
-                except PlanError:
-                    raise first from None  # nor with it there: the error of the plan as asked
-                host_state = True
+            host_state = early_plan(model, cfg.r, _targets(cfg.targets), cfg.dropout, cfg.max_tokens,
+                                    cfg.vram_budget, lora_state=cfg.lora_state if one else "device")
+            if host_state and cfg.lora_state == "auto":
                 print(f"lean-train: the step fits --vram-budget {cfg.vram_budget} GiB only with the LoRA's "
                       "master weights, gradients and AdamW moments in pinned host memory: moved there "
                       "(--lora-state host; each update crosses the bus)", flush=True)

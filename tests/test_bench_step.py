@@ -92,6 +92,30 @@ def _row(fw, tps, lora="all", model="m", layout="packed"):
                 lora=lora, note="")
 
 
+@pytest.mark.parametrize("name", ["qwen3-0.6b", *MOE])
+def test_peer_folder_loads_every_tensor(name, tmp_path, monkeypatch):
+    """Unsloth's input folder, written tensor by tensor in small shards (tied embeddings: Qwen3-0.6B;
+    MoE expert stacks), loads in transformers with no tensor missing or left over, the values drawn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(bench_peers, "FOLDERS", str(tmp_path))
+    monkeypatch.setattr(bench_peers, "SHARD_BYTES", 1 << 16)
+    bench_peers.write_folder(name, smoke=True)
+    folder = bench_peers.folder_path(name, True)
+    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
+    built = bench_peers.build_hf(name, True, "cpu", torch.float32)
+    assert set(model.state_dict()) == set(built.state_dict())
+    for key, t in model.state_dict().items():
+        if t.dim() >= 2:
+            assert 0.005 < t.float().std() < 0.1, key
+        elif "norm" in key:
+            assert torch.equal(t, torch.ones_like(t)), key
+    assert AutoTokenizer.from_pretrained(folder).pad_token_id == 1
+
+
 def test_table_compares_like_with_like():
     """A peer with attention-only LoRA is compared with lean's attn-LoRA row, the others with lean's."""
     rows = [_row("lean", 100.0), _row("lean+graph", 200.0), _row("lean attn-LoRA", 400.0, "attn"),

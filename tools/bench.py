@@ -1194,6 +1194,8 @@ def main():
     st.add_argument("--nproc", type=lambda v: [int(x) for x in v.split(",")], help="N GPUs, or several counts (2,4): "
                     "lean's data-parallel step through torchrun (N x 8192 tokens) beside its one-GPU row, and HF+PEFT "
                     "through accelerate launch beside its own (tools/bench_dist.py)")
+    st.add_argument("--no-lean", action="store_true", help="the peers' rows alone (a full-depth pair that outlasts "
+                    "one device call: lean's row in the next call)")
     st.add_argument("--shard-weights", action="store_true", help="with --nproc: also lean's row with the layers' "
                     "frozen weights sharded over the GPUs (lean.runtime.shard)")
     args = p.parse_args()
@@ -1221,7 +1223,7 @@ def main():
                                    peers=split(args.peers), smoke=args.smoke, json_path=args.json, timeout=args.timeout)
         bench_step.main(models, layouts, split(args.peers), steps, args.json, graph=args.graph,
                         smoke=args.smoke, timeout=args.timeout, budget=args.budget, portable=args.portable,
-                        n_layers=args.layers, lean_attn=args.lean_attn_only)
+                        n_layers=args.layers, lean_attn=args.lean_attn_only, lean=not args.no_lean)
         return
     cmd_kernels(args)
 

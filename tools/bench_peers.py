@@ -46,8 +46,8 @@ attention per document; GptOssModel does not pass position_ids to its mask funct
 rows get the mask mapping transformers' create_causal_mask / create_sliding_window_causal_mask build
 from them, made once per batch, outside the timed step) and labels -100 at each document's first
 token (no target crosses a document); padded = (4, N/4), labels = input_ids. Unsloth has no
-build-from-config API: a child process saves the random model with a tiny tokenizer to
-/tmp/bench_step/<model> (reused), and FastLanguageModel.from_pretrained(load_in_4bit=False, bf16)
+build-from-config API: a child process writes the random model with a tiny tokenizer to
+$BENCH_FOLDERS/<model>-L<layers> (default /tmp/bench_step; reused; write_folder says how), and FastLanguageModel.from_pretrained(load_in_4bit=False, bf16)
 loads it; get_peft_model gets the 7 names on every model (on an MoE model Unsloth maps them onto
 the experts itself, "Unsloth's MoE LoRA": 2026.10.9 passes them as target_modules beside
 target_parameters [gate_up_proj, down_proj], so PEFT's Qwen3-MoE mapping doubles gate_up's rank there
@@ -88,6 +88,7 @@ GATE_UP_PATTERN = ".*\\.gate_up_proj"  # the key PEFT's Qwen3-MoE mapping writes
 EXPERTS = {"hf": "grouped_mm", "hf-default": None, "liger": "grouped_mm"}  # experts_implementation per framework
 HF_ATTN_ENV = "BENCH_HF_ATTN"  # set: the HF rows' attn_implementation (e.g. eager, if flex fails on GPT-OSS)
 FOLDERS = os.environ.get("BENCH_FOLDERS", "/tmp/bench_step")  # a full-depth 30B's 61 GB: /dev/shm (disk 64 GiB)
+SHARD_BYTES = 4 << 30  # write_folder's safetensors shards
 CUDART = ["/tmp/site/_cudart/libcudart.so.12", os.path.join(os.path.dirname(TOOLS), ".whl/a/libcudart.so.12")]
 
 
@@ -281,27 +282,65 @@ def run_hf(name, layout, warmup, steps, smoke, framework="hf"):
 # Unsloth
 # =============================================================================================
 def write_folder(name, smoke):
-    """Save the random-init model, bf16 (fp32 under smoke), and a tiny tokenizer with its own pad
-    token (so Unsloth neither adds one nor resizes the embeddings) to FOLDERS/<name>[-smoke]."""
+    """The random-init model, bf16 (fp32 under smoke), and a tiny tokenizer with its own pad token
+    (so Unsloth neither adds one nor resizes the embeddings) in FOLDERS/<name>-L<layers>[-smoke].
+
+    Written tensor by tensor, not through save_pretrained: the model is built on the meta device for
+    its names and shapes, each tensor is drawn on the row's device (HF's scheme: normal(0,
+    initializer_range) for matrices and expert stacks, norms one, biases zero), copied to the host
+    and streamed into ~4 GB safetensors shards under the model's own parameter names, which
+    transformers loads as they are. save_pretrained on a full-depth Qwen3-30B-A3B (61 GB) needs the
+    whole model twice (its weight conversion back to per-expert names): neither on the GPU nor at a
+    usable rate on the host. Here: one tensor on the device, one shard on the host."""
+    from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     device, dtype, _ = setting(smoke)
     folder = folder_path(name, smoke)
-    for old in (folder, folder + ".tmp"):  # a stale folder, or one a killed write left
+    tmp = folder + ".tmp"
+    for old in (folder, tmp):  # a stale folder, or one a killed write left
         shutil.rmtree(old, ignore_errors=True)
-    model = build_hf(name, smoke, device, dtype)  # an MXFP4 config: saved with bf16 experts
-    if os.environ.get("BENCH_FOLDER_SAVE") == "cpu":  # built on the GPU (HF's init on the CPU: minutes a
-        model = model.to("cpu")                        # 30B), saved from the host (the save's copies would not fit)
-        torch.cuda.empty_cache()
-    model.config.update(dict(pad_token_id=1, bos_token_id=2, eos_token_id=3))
-    model.save_pretrained(folder + ".tmp")
+    os.makedirs(tmp)
+    model = build_hf(name, smoke, "meta", dtype)  # an MXFP4 config: bf16 experts
+    cfg = model.config
+    std = cfg.initializer_range
+    skip = {"lm_head.weight"} if cfg.get_text_config().tie_word_embeddings else set()
+    g = torch.Generator(device).manual_seed(0)
+    shard, index, total = {}, {}, 0
+
+    def flush():
+        file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, file))
+        shard.clear()
+
+    for key, meta in model.state_dict().items():  # persistent tensors only (no RoPE inv_freq)
+        if key in skip:
+            continue
+        x = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        if "norm" in key:
+            x.fill_(1.0)
+        elif x.dim() >= 2 and x.is_floating_point():
+            x.normal_(0.0, std, generator=g)
+        else:
+            x.zero_()
+        shard[key] = x.cpu()
+        total += x.nbytes
+        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    cfg.update(dict(pad_token_id=1, bos_token_id=2, eos_token_id=3))
+    cfg.save_pretrained(tmp)
     vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3, **{chr(97 + i): 4 + i for i in range(26)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                            eos_token="</s>", model_max_length=1 << 20).save_pretrained(folder + ".tmp")
-    os.replace(folder + ".tmp", folder)  # complete or absent: a killed write is not reused
+                            eos_token="</s>", model_max_length=1 << 20).save_pretrained(tmp)
+    os.replace(tmp, folder)  # complete or absent: a killed write is not reused
 
 
 def folder_path(name, smoke):

@@ -538,14 +538,16 @@ def write_json(path, rows, rate, device, smoke):
 
 
 def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=PEERS, steps=8, json_path=None,
-         graph=False, smoke=False, timeout=300, budget=None, portable=False, n_layers=None, lean_attn=False):
+         graph=False, smoke=False, timeout=300, budget=None, portable=False, n_layers=None, lean_attn=False,
+         lean=True):
     """Run every (model, layout) x (lean, peers) row, each in its own process; print the table.
     graph: lean's rows also as lean+graph (lean.StepGraph); budget: lean's VRAM budget in GiB;
     portable: lean's rows once more with LEAN_PORTABLE=1 ("lean portable", "lean+graph portable");
     n_layers: every model cut to its first n_layers layers (default DEFAULT_LAYERS); lean_attn (or
     "lean-attn" among peers): lean's rows once more with LoRA on q,k,v,o only ("lean attn-LoRA"),
     which also run by themselves after an MoE model's peer row that came back attention-only.
-    MOE_ONLY peers (hf-default) run on MoE models only."""
+    MOE_ONLY peers (hf-default) run on MoE models only. lean=False: the peers' rows alone (a full-depth
+    row pair that outlasts one device call: lean's row in the next call, on the same warm machine)."""
     import importlib.util
 
     if n_layers is not None:
@@ -564,7 +566,7 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=PEERS, steps=8, json_path
     peers = [p for p in peers if p not in LEAN_TARGETS]
     warmup = 0 if smoke else WARMUP  # smoke: the interpreter is slow and no time is claimed
     device = "CPU (interpreter, tiny configs)" if smoke else torch.cuda.get_device_name()
-    names = ["lean"] + ["lean-attn"] * lean_attn + peers
+    names = ["lean"] * lean + ["lean-attn"] * lean_attn + peers
     print(f"# bench step on {device}; torch {torch.__version__}; {steps} timed steps after {warmup} "
           f"warm-up; frameworks {', '.join(FRAMEWORKS[f] for f in names)}")
     rate = measure_matmul(smoke)
@@ -592,7 +594,7 @@ def main(models=DEFAULT_MODELS, layouts=LAYOUTS, peers=PEERS, steps=8, json_path
     for m in models:
         for layout in layouts:
             first = len(rows)
-            for fw in ["lean"] + ["lean-attn"] * lean_attn + ["lean portable"] * portable + \
+            for fw in ["lean"] * lean + ["lean-attn"] * lean_attn + ["lean portable"] * portable + \
                     [p for p in peers if is_moe(m) or p not in MOE_ONLY]:
                 run_row(fw, m, layout)
             attn_peers = [r["framework"] for r in rows[first:] if r["status"] == "ok"

@@ -233,7 +233,7 @@ def measure(step, warmup, steps, trace_path=None, moe=False):
 
 def profile_lean(name, layout, steps=5, graph=False, budget_gib=None, trace_dir=None):
     """{eager: breakdown, [graph: breakdown]} of lean's step for one model and layout."""
-    lean, model, lora, opt, docs, batches, _ = bench_step.lean_setup(name, layout)
+    lean, model, lora, opt, docs, batches, _ = bench_step.lean_setup(name, layout, budget_gib=budget_gib)
     plan = bench_step.lean_plan(model, lora, batches[0].n_tokens, budget_gib)
 
     def eager(i):

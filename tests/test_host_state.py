@@ -171,8 +171,9 @@ def test_host_state_refuses_data_parallel():
 
 @pytest.mark.gpu
 def test_host_state_bitwise_no_sync_graph_gpu():
-    """Qwen3-8B shapes, 4 layers, bf16, 8192 tokens: the host state's step (eager, no host sync) is
-    bit-equal to the device state's (clipping on, not binding); a captured graph of it replays
+    """Qwen3-8B shapes, 4 layers, bf16, 8192 tokens: two of the host state's steps (eager, no host
+    sync; the second forward under the first update) are bit-equal to the device state's (clipping
+    on, not binding); a captured graph of it replays
     the eager step's bits (both with the TMA GEMMs at every size, as graph.py says)."""
     from lean.kernels.gemm import tma_at_every_size
     from lean.runtime.graph import StepGraph
@@ -183,13 +184,16 @@ def test_host_state_bitwise_no_sync_graph_gpu():
     batches = [_batch(model, gen, 8192, device="cuda", mean=512) for _ in range(2)]
     host = _pair(model, lora)
     dev_opt, host_opt = AdamW(lora, max_grad_norm=1e6), AdamW(host, max_grad_norm=1e6)
-    _run(model, lora, dev_opt, batches[:1])
+    _run(model, lora, dev_opt, batches)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
-        host.zero_grad()
-        lean.forward_backward(model, host, batches[0], seed=7)
-        host_opt.step()
+    try:  # two steps: the second forward runs under the first update (GradRing.update, ready)
+        assert host.ring.deferred()
+        for i, b in enumerate(batches):
+            host.zero_grad()
+            lean.forward_backward(model, host, b, seed=7 + i)
+            host_opt.step()
+            assert host.ring.pending
     finally:
         torch.cuda.set_sync_debug_mode(0)
     host.sync()

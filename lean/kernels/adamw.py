@@ -55,6 +55,7 @@ from lean.kernels._check import check
 # thread at 8 warps, i.e. 16-byte fp32 vectors) gives P/4096 programs, thousands for any real LoRA.
 # The interpreter gets small blocks so CPU tests run several programs and the masked tails.
 _GPU_BLOCKS = dict(SUMSQ=4096, NORM=4096, UPDATE=4096)
+UPDATE_BLOCK = _GPU_BLOCKS["UPDATE"]  # the update's elements a program on a GPU (host_state's chunks)
 _INTERP_BLOCKS = dict(SUMSQ=256, NORM=16, UPDATE=512)
 # ... and big ones once P >= 2^18 (the tests' P stay below): the interpreter's cost is per program
 # (SmolLM2 r=8 on all 7 projections, P = 2.44M, CPU: 22.6 s -> 0.7 s a step).
@@ -228,14 +229,23 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
 
 
 def adamw_update(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, max_grad_norm=None, params_lowp=None):
+                 weight_decay=0.0, max_grad_norm=None, params_lowp=None, validate=True):
     """The update half of adamw_step, with grad_norm already written (adamw_sumsq + adamw_norm over
     partials summed elsewhere, e.g. one layer at a time). params, m, v and grads may be in pinned
     host memory (read and written over the bus by the kernel); grad_norm, hyper, params_lowp on the
-    GPU. The same bits as adamw_step's update for the same grad_norm: every element is independent."""
-    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
+    GPU. The same bits as adamw_step's update for the same grad_norm: every element is independent,
+    so the buffers may also be updated a slice at a time (runtime/host_state.py: validate=False on
+    the slices of buffers it checked once, a few hundred launches a step)."""
+    if validate:
+        _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
     _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
                    params_lowp)
+
+
+def adamw_update_check(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, max_grad_norm=None, params_lowp=None):
+    """adamw_update's checks alone: for a caller that then updates slices with validate=False."""
+    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
 
 
 def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp):

@@ -27,6 +27,18 @@ the norm and runs the update kernel on the host buffers, which it reads and writ
 (Triton takes pinned pointers; no staging buffers): 28 bytes a parameter cross the link in an update
 (p, m, v, g in; p, m, v out), and lowp is written on the GPU.
 
+The update under the next forward (update(), ready()): at 995M parameters the update takes ~0.4 s,
+bound by the bus, while the GPU's SMs idle. So AdamW.update hands it to update(launch): on the copy
+stream, after the backward's copies and the norm, layer by layer in forward order, each layer in
+chunks of PROGRAMS x adamw.UPDATE_BLOCK elements (one launch each: a bounded chunk leaves SMs to
+the compute stream, where one launch over a whole layer would hold them all until it drains), each
+layer's last chunk followed by an event. The next pass's forward waits, before layer
+li, for layer li's event only (ready(li)), so the forward runs under the rest of the update. The
+same bits: every element's update is the same arithmetic, whatever the chunks. Not under graph
+capture (a captured step's update stays in the step: the next replay could not wait on this one's
+events) and not with PROGRAMS = 0 (LEAN_HOST_UPDATE_PROGRAMS=0): then one launch, on the compute
+stream, before the next step's work.
+
 Bits: each layer's gradient is the same as with the state on the GPU (the slot is zeroed as
 zero_grad zeroes lora.grads, and the kernels are the same). The norm is summed layer by layer (its
 blocks start at each layer's offset), so it may differ from the GPU state's in the last place: the
@@ -41,9 +53,19 @@ backward overwrites it layer by layer), so an optimizer step with no backward af
 the last gradient; torch's pinned allocator rounds each buffer up to a power of two (plan_for counts
 the rounded bytes against the host's share).
 """
+import os
+
 import torch
 
-from ..kernels.adamw import adamw_partials, adamw_sumsq
+from ..kernels.adamw import UPDATE_BLOCK, adamw_partials, adamw_sumsq
+
+# Programs a launch of the update in chunks (module docstring); 0: the whole update in one launch on
+# the compute stream; None: PROGRAMS_PER_SM x the device's SMs. Measured on the H100 (132 SMs;
+# Qwen3-30B-A3B, 48 layers, --budget 60, padded 4 x 2048, tok/s, one call): one launch after the
+# backward 9,921; chunks of 33 / 132 / 528 / 1,056 programs 7,272 / 11,679 / 12,531 / 13,548 (too
+# few programs leave the bus idle; a chunk of 8 an SM is ~5 launches a layer there).
+PROGRAMS_PER_SM = 8
+PROGRAMS = int(os.environ["LEAN_HOST_UPDATE_PROGRAMS"]) if os.environ.get("LEAN_HOST_UPDATE_PROGRAMS") else None
 
 
 class GradRing:
@@ -66,6 +88,14 @@ class GradRing:
         self.done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # a slot's copy to the host
         self.issued = [False, False]  # done[s] recorded in this backward pass
         self.fresh = True  # the next pass starts a step (zero_grad): slots are zeroed, not reloaded
+        self.updated = [torch.cuda.Event() if self.cuda else None for _ in spans]  # a layer's update done
+        self.pending = False  # an update() is running under the next forward
+        if PROGRAMS is not None:
+            self.programs = PROGRAMS
+        elif self.cuda:
+            self.programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.programs = 1  # the CPU: the chunked path with small chunks, as the tests take it
 
     def start(self):
         """zero_grad: the next pass starts a step (its slots zeroed). A pass that stopped before
@@ -113,6 +143,34 @@ class GradRing:
             torch.cuda.current_stream().wait_stream(self.copy)
         self.issued = [False, False]
         self.fresh = False
+        self.pending = False  # this pass's forward waited for every layer's update
+
+    def deferred(self):
+        """Whether AdamW.update goes through update(): chunks configured, and not capturing a graph."""
+        return self.programs > 0 and not (self.cuda and torch.cuda.is_current_stream_capturing())
+
+    def update(self, launch):
+        """The update layer by layer, in chunks: launch(a, b) updates the flat range [a, b). On the
+        GPU on the copy stream, after the compute stream's work so far (the norm, the last copies),
+        layer li's end recorded in updated[li] (module docstring)."""
+        chunk = self.programs * UPDATE_BLOCK
+        if not self.cuda:
+            for a, b in self.spans:
+                for c in range(a, b, chunk):
+                    launch(c, min(c + chunk, b))
+            return
+        self.copy.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy):
+            for li, (a, b) in enumerate(self.spans):
+                for c in range(a, b, chunk):
+                    launch(c, min(c + chunk, b))
+                self.updated[li].record(self.copy)
+        self.pending = True
+
+    def ready(self, li):
+        """Before layer li's forward: the compute stream waits for the layer's update, if one runs."""
+        if self.pending:
+            torch.cuda.current_stream().wait_event(self.updated[li])
 
 
 def pinned(n, dtype=torch.float32):

@@ -281,6 +281,7 @@ class LoRA:
             from .host_state import sync
 
             sync(self.lowp.device)
+            self.ring.pending = False  # the last update is done: the next forward need not wait for it
 
     def _peft_items(self, buf_name_or_tensor):
         """(PEFT key, view) pairs over a flat buffer laid out like params. An expert B is a

@@ -9,11 +9,13 @@ reads it.
 
 With the LoRA's state on the host (LoRA(..., host_state=True), runtime/host_state.py) the moments
 are pinned host memory too, and update() takes the norm from the partials the backward summed layer
-by layer, then runs the update kernel on the host buffers over the bus, writing the GPU's copy.
+by layer, then runs the update kernel on the host buffers over the bus, writing the GPU's copy: in
+chunks on the ring's copy stream, under the next step's forward (host_state.GradRing.update), except
+under graph capture.
 """
 import torch
 
-from ..kernels.adamw import adamw_norm, adamw_step, adamw_update
+from ..kernels.adamw import adamw_norm, adamw_step, adamw_update, adamw_update_check
 from .batch import PinnedUpload
 
 
@@ -34,6 +36,7 @@ class AdamW:
         self._hyper = PinnedUpload(2, torch.float32, dev)
         self.hyper = self._hyper.dev  # (2,) fp32 [lr, step], persistent: a captured graph reads it
         self.step_count = 0
+        self._checked = False  # the host state's buffers checked for the update in chunks
 
     def step(self, lr=None):
         """One update from lora.grads; lr overrides the default (a schedule's value)."""
@@ -50,12 +53,25 @@ class AdamW:
         lora = self.lora
         lowp = None if lora.lowp is lora.params else lora.lowp
         hp = dict(beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
-                  max_grad_norm=self.max_grad_norm, params_lowp=lowp)
+                  max_grad_norm=self.max_grad_norm)
         if lora.ring is None:
-            adamw_step(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, **hp)
+            adamw_step(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, params_lowp=lowp, **hp)
             return
-        adamw_norm(self.grad_norm, lora.ring.partials, lora.numel)  # the backward summed each layer's share
-        adamw_update(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, **hp)
+        ring = lora.ring
+        adamw_norm(self.grad_norm, ring.partials, lora.numel)  # the backward summed each layer's share
+        p, m, v, g = lora.params, self.m, self.v, lora.grads
+        if not ring.deferred():
+            adamw_update(p, m, v, self.grad_norm, g, self.hyper, params_lowp=lowp, **hp)
+            return
+        if not self._checked:  # the whole buffers, once: the launches below take slices of them
+            adamw_update_check(p, m, v, self.grad_norm, g, self.hyper, params_lowp=lowp, **hp)
+            self._checked = True
+
+        def launch(a, b):  # [a, b) of the flat buffers, under the next forward (host_state.py)
+            adamw_update(p[a:b], m[a:b], v[a:b], self.grad_norm, g[a:b], self.hyper,
+                         params_lowp=None if lowp is None else lowp[a:b], validate=False, **hp)
+
+        ring.update(launch)
 
     def state_dict(self):
         self.lora.sync()

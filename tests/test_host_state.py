@@ -3,11 +3,12 @@ pinned host memory, each layer's gradient through a ring of two GPU slots.
 
 CPU (interpreter, float32, tiny models): steps with the state on the host give the state-on-device
 steps' gradients bit for bit (dense, Qwen3-MoE, GPT-OSS; with an offload plan; with two micro-batches
-accumulated), the same parameters and moments bit for bit when clipping does not bind and within
-fp32 rounding of the clip factor when it does; the norm the ring sums layer by layer is the
-gradient's norm. The planner counts 2 bytes a parameter and the ring. GPU (`gpu`): a real-size
-step without a host sync, bit-equal to the device state, a captured graph equal to the eager step,
-and the memory it saves.
+accumulated; the update in one launch (dense) and in chunks, layer by layer (the MoE models)), the
+same parameters and moments bit for bit when clipping does not bind and within fp32 rounding of the
+clip factor when it does; the norm the ring sums layer by layer is the gradient's norm. The planner
+counts 2 bytes a parameter and the ring. GPU (`gpu`): two real-size steps without a host sync (the
+second forward under the first update), bit-equal to the device state, and a captured graph equal
+to the eager step.
 """
 import pytest
 import torch
@@ -21,10 +22,14 @@ from tests.test_offload import QWEN3_8B, QWEN3_30B_A3B, _batch, _lora, _model, _
 from tests.util import fresh_generator
 
 
-def _pair(model, lora):
-    """A LoRA with its state on the host holding the same parameters as `lora`."""
+def _pair(model, lora, programs=None):
+    """A LoRA with its state on the host holding the same parameters as `lora`; programs: its update
+    in chunks of that many programs (the GPU's path: GradRing.update; on the CPU it runs them in
+    order) instead of the CPU's one launch."""
     twin = lean.LoRA.init(model, r=lora.r, alpha=lora.alpha, targets=lora.targets, dropout=lora.dropout,
                           host_state=True)
+    if programs is not None:
+        twin.ring.programs = programs
     lora.sync()
     twin.params.copy_(lora.params.to(twin.params.device))
     twin.sync_lowp()
@@ -44,8 +49,8 @@ def _run(model, lora, opt, batches, plan=None, accumulate=1):
     return norms
 
 
-def _compare(model, lora, batches, clip, plan=None, accumulate=1):
-    host = _pair(model, lora)
+def _compare(model, lora, batches, clip, plan=None, accumulate=1, programs=None):
+    host = _pair(model, lora, programs)
     dev_opt, host_opt = AdamW(lora, lr=1e-2, max_grad_norm=clip), AdamW(host, lr=1e-2, max_grad_norm=clip)
     n_dev = _run(model, lora, dev_opt, batches, plan, accumulate)
     n_host = _run(model, host, host_opt, batches, plan, accumulate)
@@ -85,7 +90,7 @@ def test_moe_host_state_with_a_plan_and_accumulation(tmp_path):
     lora = _lora(model, 4, 0.0, gen)
     plan = make_plan(model.config, 64, (OFFLOAD, RECOMPUTE, KEEP), lora_rank=4, lora_targets=lora.targets, act_bytes=4)
     batches = [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)]
-    _compare(model, lora, batches, None, plan=plan, accumulate=2)
+    _compare(model, lora, batches, None, plan=plan, accumulate=2, programs=1)  # the update in chunks
 
 
 def test_gpt_oss_host_state_same_bits():
@@ -101,7 +106,7 @@ def test_gpt_oss_host_state_same_bits():
         r = torch.randn(t.shape, generator=gen)
         t.copy_((1.0 + 0.1 * r) if name.endswith("norm.weight") else (0.3 if "router" in name else 0.05) * r)
     lora = _lora(model, 4, 0.0, gen)
-    _compare(model, lora, [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)], 5.0)
+    _compare(model, lora, [_batch(model, gen, 12 + _randint(gen, 12)) for _ in range(2)], 5.0, programs=1)
 
 
 def test_host_state_checkpoint_and_merge_read_the_host(tmp_path):

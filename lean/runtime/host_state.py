@@ -48,7 +48,8 @@ way), and within fp32 rounding of the factor when it binds (tests/test_host_stat
 No host sync in a step: every wait is an event between the two streams, so a captured step
 (graph.py) holds the copies too. The host may read params, grads, m, v only after sync() (a
 checkpoint, merge, the tests do). Not with data parallel or sharded weights (their reducer
-all-reduces lora.grads on the GPU). Cautions: zero_grad does not clear lora.grads on the host (each
+all-reduces lora.grads on the GPU). Cautions: sync() before dropping a LoRA or its AdamW while an
+update may run (the copy stream still reads and writes their buffers); zero_grad does not clear lora.grads on the host (each
 backward overwrites it layer by layer), so an optimizer step with no backward after zero_grad reuses
 the last gradient; torch's pinned allocator rounds each buffer up to a power of two (plan_for counts
 the rounded bytes against the host's share).
@@ -65,11 +66,21 @@ from ..kernels.adamw import UPDATE_BLOCK, adamw_partials, adamw_sumsq
 # backward 9,921; chunks of 33 / 132 / 528 / 1,056 programs 7,272 / 11,679 / 12,531 / 13,548 (too
 # few programs leave the bus idle; a chunk of 8 an SM is ~5 launches a layer there).
 PROGRAMS_PER_SM = 8
-PROGRAMS = int(os.environ["LEAN_HOST_UPDATE_PROGRAMS"]) if os.environ.get("LEAN_HOST_UPDATE_PROGRAMS") else None
+def _programs_env():
+    v = os.environ.get("LEAN_HOST_UPDATE_PROGRAMS", "")
+    if not v:
+        return None
+    if not v.isdigit():
+        raise ValueError(f"LEAN_HOST_UPDATE_PROGRAMS={v!r}: expected a whole number of programs (0: one launch)")
+    return int(v)
+
+
+PROGRAMS = _programs_env()
 
 
 class GradRing:
-    """The two gradient slots, the norm's partials and the copies to the host (module docstring)."""
+    """The two gradient slots, the norm's partials, the copies to the host, and AdamW's update under
+    the next forward (update, ready, join) (module docstring)."""
 
     def __init__(self, grads, spans, device, dtype=torch.float32):
         # spans: per layer (start, stop) in the flat layout
@@ -94,8 +105,8 @@ class GradRing:
             self.programs = PROGRAMS
         elif self.cuda:
             self.programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.programs = 1  # the CPU: the chunked path with small chunks, as the tests take it
+        else:  # the CPU: one launch (the interpreter's big blocks; chunks would run its small ones)
+            self.programs = 0
 
     def start(self):
         """zero_grad: the next pass starts a step (its slots zeroed). A pass that stopped before
@@ -160,17 +171,29 @@ class GradRing:
                     launch(c, min(c + chunk, b))
             return
         self.copy.wait_stream(torch.cuda.current_stream())
+        self.pending = True  # before the launches: one that raises leaves the earlier ones running
         with torch.cuda.stream(self.copy):
             for li, (a, b) in enumerate(self.spans):
                 for c in range(a, b, chunk):
                     launch(c, min(c + chunk, b))
                 self.updated[li].record(self.copy)
-        self.pending = True
 
     def ready(self, li):
         """Before layer li's forward: the compute stream waits for the layer's update, if one runs."""
+        if not self.pending:
+            return
+        if torch.cuda.is_current_stream_capturing():  # a capture cannot wait on an eager step's event
+            raise RuntimeError("capturing a step while an eager step's LoRA update is still running: call "
+                               "lora.sync() before the capture (StepGraph does)")
+        torch.cuda.current_stream().wait_event(self.updated[li])
+
+    def join(self):
+        """The compute stream waits for the whole update, if one runs: before anything that rewrites
+        what it reads (AdamW.begin_step's hyper, the norm; a captured step's replay) or reads lowp
+        without the per-layer waits (generation)."""
         if self.pending:
-            torch.cuda.current_stream().wait_event(self.updated[li])
+            torch.cuda.current_stream().wait_stream(self.copy)
+            self.pending = False
 
 
 def pinned(n, dtype=torch.float32):

@@ -3,7 +3,7 @@
 lr and step live in a small persistent device tensor (`hyper`) that a captured CUDA graph reads
 on replay. A step is two halves: begin_step(lr) on the host (count the step, write [lr, step] into
 `hyper` with one non-blocking copy from a persistent pinned buffer, see batch.PinnedUpload) and
-update() on the device (the three AdamW launches, no host value baked in: what a graph captures).
+update() on the device (the AdamW launches, no host value baked in: what a graph captures).
 step(lr) is both. The global gradient norm stays on the device (`grad_norm`) until a log point
 reads it.
 
@@ -45,6 +45,8 @@ class AdamW:
 
     def begin_step(self, lr=None):
         """Host half of a step: count it and write [lr, step] into `hyper` (no sync)."""
+        if self.lora.ring is not None:
+            self.lora.ring.join()  # host state: the last update (on the copy stream) has read hyper
         self.step_count += 1
         self._hyper.write([self.lr if lr is None else lr, float(self.step_count)])
 
@@ -58,6 +60,7 @@ class AdamW:
             adamw_step(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, params_lowp=lowp, **hp)
             return
         ring = lora.ring
+        ring.join()  # the last update has read grad_norm (an update() without a step between)
         adamw_norm(self.grad_norm, ring.partials, lora.numel)  # the backward summed each layer's share
         p, m, v, g = lora.params, self.m, self.v, lora.grads
         if not ring.deferred():

@@ -47,8 +47,8 @@ rows get the mask mapping transformers' create_causal_mask / create_sliding_wind
 from them, made once per batch, outside the timed step) and labels -100 at each document's first
 token (no target crosses a document); padded = (4, N/4), labels = input_ids. Unsloth has no
 build-from-config API: a child process writes the random model with a tiny tokenizer to
-$BENCH_FOLDERS/<model>-L<layers> (default /tmp/bench_step; reused; write_folder says how), and FastLanguageModel.from_pretrained(load_in_4bit=False, bf16)
-loads it; get_peft_model gets the 7 names on every model (on an MoE model Unsloth maps them onto
+$BENCH_FOLDERS/<model>-L<layers> (default /tmp/bench_step; reused; write_folder says how), and
+FastLanguageModel.from_pretrained(load_in_4bit=False, bf16) loads it; get_peft_model gets the 7 names on every model (on an MoE model Unsloth maps them onto
 the experts itself, "Unsloth's MoE LoRA": 2026.10.9 passes them as target_modules beside
 target_parameters [gate_up_proj, down_proj], so PEFT's Qwen3-MoE mapping doubles gate_up's rank there
 too; the row reports where the LoRA landed and each expert parameter's rank); unsloth is imported
@@ -307,12 +307,12 @@ def write_folder(name, smoke):
     std = cfg.initializer_range
     skip = {"lm_head.weight"} if cfg.get_text_config().tie_word_embeddings else set()
     g = torch.Generator(device).manual_seed(0)
-    shard, index, total = {}, {}, 0
+    shard, index, files, total, held = {}, {}, [], 0, 0
 
     def flush():
-        file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
-        save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
-        index.update(dict.fromkeys(shard, file))
+        files.append(f"model-{len(files) + 1:05d}.safetensors")
+        save_file(shard, os.path.join(tmp, files[-1]), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, files[-1]))
         shard.clear()
 
     for key, meta in model.state_dict().items():  # persistent tensors only (no RoPE inv_freq)
@@ -327,8 +327,10 @@ def write_folder(name, smoke):
             x.zero_()
         shard[key] = x.cpu()
         total += x.nbytes
-        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+        held += x.nbytes
+        if held >= SHARD_BYTES:
             flush()
+            held = 0
     if shard:
         flush()
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:

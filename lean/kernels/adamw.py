@@ -229,23 +229,15 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
 
 
 def adamw_update(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, max_grad_norm=None, params_lowp=None, validate=True):
+                 weight_decay=0.0, max_grad_norm=None, params_lowp=None):
     """The update half of adamw_step, with grad_norm already written (adamw_sumsq + adamw_norm over
     partials summed elsewhere, e.g. one layer at a time). params, m, v and grads may be in pinned
     host memory (read and written over the bus by the kernel); grad_norm, hyper, params_lowp on the
     GPU. The same bits as adamw_step's update for the same grad_norm: every element is independent,
-    so the buffers may also be updated a slice at a time (runtime/host_state.py: validate=False on
-    the slices of buffers it checked once, a few hundred launches a step)."""
-    if validate:
-        _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
+    so the buffers may also be updated a slice at a time (runtime/host_state.py's chunks)."""
+    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
     _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
                    params_lowp)
-
-
-def adamw_update_check(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=0.0, max_grad_norm=None, params_lowp=None):
-    """adamw_update's checks alone: for a caller that then updates slices with validate=False."""
-    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
 
 
 def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp):

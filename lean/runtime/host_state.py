@@ -32,9 +32,8 @@ bound by the bus, while the GPU's SMs idle. So AdamW.update hands it to update(l
 stream, after the backward's copies and the norm, layer by layer in forward order, each layer in
 chunks of PROGRAMS x adamw.UPDATE_BLOCK elements (one launch each: a bounded chunk leaves SMs to
 the compute stream, where one launch over a whole layer would hold them all until it drains), each
-layer's last chunk followed by an event. The next pass's forward waits, before layer
-li, for layer li's event only (ready(li)), so the forward runs under the rest of the update. The
-same bits: every element's update is the same arithmetic, whatever the chunks. Not under graph
+layer's last chunk followed by an event. The next pass's forward waits, before layer li, for layer
+li's event only (ready(li)), so the forward runs under the rest of the update. The same bits: every element's update is the same arithmetic, whatever the chunks. Not under graph
 capture (a captured step's update stays in the step: the next replay could not wait on this one's
 events) and not with PROGRAMS = 0 (LEAN_HOST_UPDATE_PROGRAMS=0): then one launch, on the compute
 stream, before the next step's work.
@@ -49,11 +48,12 @@ No host sync in a step: every wait is an event between the two streams, so a cap
 (graph.py) holds the copies too. The host may read params, grads, m, v only after sync() (a
 checkpoint, merge, the tests do). Not with data parallel or sharded weights (their reducer
 all-reduces lora.grads on the GPU). Cautions: sync() before dropping a LoRA or its AdamW while an
-update may run (the copy stream still reads and writes their buffers); zero_grad does not clear lora.grads on the host (each
-backward overwrites it layer by layer), so an optimizer step with no backward after zero_grad reuses
-the last gradient; torch's pinned allocator rounds each buffer up to a power of two (plan_for counts
+update may run (the copy stream still reads and writes their buffers); zero_grad does not clear
+lora.grads on the host (each backward overwrites it layer by layer), so an optimizer step with no
+backward after zero_grad reuses the last gradient; torch's pinned allocator rounds each buffer up to a power of two (plan_for counts
 the rounded bytes against the host's share).
 """
+import contextlib
 import os
 
 import torch
@@ -66,6 +66,8 @@ from ..kernels.adamw import UPDATE_BLOCK, adamw_partials, adamw_sumsq
 # backward 9,921; chunks of 33 / 132 / 528 / 1,056 programs 7,272 / 11,679 / 12,531 / 13,548 (too
 # few programs leave the bus idle; a chunk of 8 an SM is ~5 launches a layer there).
 PROGRAMS_PER_SM = 8
+
+
 def _programs_env():
     v = os.environ.get("LEAN_HOST_UPDATE_PROGRAMS", "")
     if not v:
@@ -165,18 +167,15 @@ class GradRing:
         GPU on the copy stream, after the compute stream's work so far (the norm, the last copies),
         layer li's end recorded in updated[li] (module docstring)."""
         chunk = self.programs * UPDATE_BLOCK
-        if not self.cuda:
-            for a, b in self.spans:
-                for c in range(a, b, chunk):
-                    launch(c, min(c + chunk, b))
-            return
-        self.copy.wait_stream(torch.cuda.current_stream())
-        self.pending = True  # before the launches: one that raises leaves the earlier ones running
-        with torch.cuda.stream(self.copy):
+        if self.cuda:
+            self.copy.wait_stream(torch.cuda.current_stream())
+            self.pending = True  # before the launches: one that raises leaves the earlier ones running
+        with torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext():
             for li, (a, b) in enumerate(self.spans):
                 for c in range(a, b, chunk):
                     launch(c, min(c + chunk, b))
-                self.updated[li].record(self.copy)
+                if self.cuda:
+                    self.updated[li].record(self.copy)
 
     def ready(self, li):
         """Before layer li's forward: the compute stream waits for the layer's update, if one runs."""

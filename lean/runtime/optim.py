@@ -15,7 +15,7 @@ under graph capture.
 """
 import torch
 
-from ..kernels.adamw import adamw_norm, adamw_step, adamw_update, adamw_update_check
+from ..kernels.adamw import adamw_norm, adamw_step, adamw_update
 from .batch import PinnedUpload
 
 
@@ -36,7 +36,6 @@ class AdamW:
         self._hyper = PinnedUpload(2, torch.float32, dev)
         self.hyper = self._hyper.dev  # (2,) fp32 [lr, step], persistent: a captured graph reads it
         self.step_count = 0
-        self._checked = False  # the host state's buffers checked for the update in chunks
 
     def step(self, lr=None):
         """One update from lora.grads; lr overrides the default (a schedule's value)."""
@@ -46,7 +45,7 @@ class AdamW:
     def begin_step(self, lr=None):
         """Host half of a step: count it and write [lr, step] into `hyper` (no sync)."""
         if self.lora.ring is not None:
-            self.lora.ring.join()  # host state: the last update (on the copy stream) has read hyper
+            self.lora.ring.join()  # host state: the last update (copy stream) has read hyper and grad_norm
         self.step_count += 1
         self._hyper.write([self.lr if lr is None else lr, float(self.step_count)])
 
@@ -60,19 +59,15 @@ class AdamW:
             adamw_step(lora.params, self.m, self.v, self.grad_norm, lora.grads, self.hyper, params_lowp=lowp, **hp)
             return
         ring = lora.ring
-        ring.join()  # the last update has read grad_norm (an update() without a step between)
         adamw_norm(self.grad_norm, ring.partials, lora.numel)  # the backward summed each layer's share
         p, m, v, g = lora.params, self.m, self.v, lora.grads
         if not ring.deferred():
             adamw_update(p, m, v, self.grad_norm, g, self.hyper, params_lowp=lowp, **hp)
             return
-        if not self._checked:  # the whole buffers, once: the launches below take slices of them
-            adamw_update_check(p, m, v, self.grad_norm, g, self.hyper, params_lowp=lowp, **hp)
-            self._checked = True
 
         def launch(a, b):  # [a, b) of the flat buffers, under the next forward (host_state.py)
             adamw_update(p[a:b], m[a:b], v[a:b], self.grad_norm, g[a:b], self.hyper,
-                         params_lowp=None if lowp is None else lowp[a:b], validate=False, **hp)
+                         params_lowp=None if lowp is None else lowp[a:b], **hp)
 
         ring.update(launch)
 

@@ -446,7 +446,8 @@ def test_sharded_plan_counts_the_buffers_and_prices_the_gathers():
     gathers cost more and more; the printed plan says so."""
     from lean.models.config import config_from_hf
     from lean.models.presets import PRESETS
-    from lean.runtime.plan import DEFAULT_RATES, KEEP, gather_cost, layer_weight_bytes, make_plan
+    from lean.runtime.plan import DEFAULT_RATES, KEEP, gather_cost, make_plan
+    from lean.runtime.plan_bytes import layer_weight_bytes
     from lean.runtime.planner import format_plan
 
     cfg = config_from_hf(PRESETS["qwen3-8b"])

@@ -14,8 +14,9 @@ from lean.models.presets import PRESETS
 from lean.runtime import head_host, offload
 from lean.runtime.head_host import HostHead, fetch_plan, head_to_host
 from lean.runtime.plan import (
-    GiB, KEEP, OFFLOAD, OFFLOAD_UP, SLACK, head_host_bytes, head_host_cost, make_plan, moe_step_bytes,
+    GiB, KEEP, OFFLOAD, OFFLOAD_UP, SLACK, head_host_cost, make_plan,
 )
+from lean.runtime.plan_bytes import head_host_bytes, moe_step_bytes
 from lean.runtime.planner import format_plan, plan_step
 from lean.runtime.step import rope_tables
 from tests.test_linear_ce import make_inputs

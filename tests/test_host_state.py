@@ -16,7 +16,8 @@ import torch
 import lean
 from lean.kernels.adamw import adamw_partials
 from lean.runtime.optim import AdamW
-from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, lora_state_bytes, make_plan
+from lean.runtime.plan import KEEP, OFFLOAD, RECOMPUTE, make_plan
+from lean.runtime.plan_bytes import lora_state_bytes
 from tests.test_moe import moe_config
 from tests.test_offload import QWEN3_8B, QWEN3_30B_A3B, _batch, _lora, _model, _moe_model, _randint, _tiny
 from tests.util import fresh_generator

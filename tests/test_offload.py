@@ -19,8 +19,9 @@ from lean.models.weights import empty_model
 from lean.runtime import offload
 from lean.runtime.plan import (
     DEFAULT_RATES, GiB, KEEP, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE, SLACK, PlanError, Rates,
-    embed_gather_cost, layer_bytes, make_plan, moe_step_bytes, plan_cost, row_bytes,
+    embed_gather_cost, layer_bytes, make_plan, plan_cost, row_bytes,
 )
+from lean.runtime.plan_bytes import moe_step_bytes
 from lean.runtime.planner import candidates, format_plan, ordered_modes, plan_for, plan_step
 from lean.runtime.step import Tape, _forward_layers, make_ctx, rope_tables
 from tests.hf_models import build_hf, tiny_config

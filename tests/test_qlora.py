@@ -374,7 +374,7 @@ def test_nf4_scratch_bytes_prices_the_nf4_projections(monkeypatch):
     """The planner's NF4 scratch copy is the largest projection held in NF4: an all-MoE model's q, k, v,
     o (not its config's intermediate_size, which no NF4 projection has), a dense model's MLP."""
     from lean.models.config import config_from_hf
-    from lean.runtime.plan import nf4_scratch_bytes
+    from lean.runtime.plan_bytes import nf4_scratch_bytes
 
     monkeypatch.setattr(nf4mod, "FUSED", False)  # every shape through the scratch copy, as on a GPU
     for name, config, arch in _nf4_models()[:2]:

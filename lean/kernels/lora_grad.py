@@ -26,7 +26,7 @@ Tested: through lora_linear_bwd / lora_linear_bwd_da in tests/test_lora_linear.p
 (CPU interpreter), bf16 (H100), odd N, K, O, R 8 (padded dy B) and 16, dropout 0 and 0.1,
 accumulation, bitwise repeatability, deferred da == whole backward.
 Caution: the scratch (S, P*R') fp32 comes from torch's caching allocator on every call; runtime/
-plan.py mirrors its size (_lora_partials) and the CPU tests fail when the two drift apart.
+plan_bytes.py mirrors its size (_lora_partials) and the CPU tests fail when the two drift apart.
 """
 import torch
 import triton

@@ -83,8 +83,9 @@ allocation (forward_events: a layer rebuilt later lets each row go once its forw
 it, and writes act over gate), its gradient buffers (MLP_MOMENTS, or MLP_MOMENTS_FUSED without
 dropout, then ATTENTION_MOMENTS; dense.py frees each when dead), the kernels' own scratch
 (lora_linear_bwd's dy B and partial sums, swiglu_bwd_lora's partials, attention_bwd's dk/dv
-partials, linear_ce's logits chunk)
-and the lm_head/loss buffers. Budgets compare
+partials, linear_ce's logits chunk) and the lm_head/loss buffers. The sizes of everything but the
+saved rows (state, constants, scratch, streamed-head and gather buffers) are in
+lean/runtime/plan_bytes.py; this module walks the moments they live in. Budgets compare
 with torch.cuda.max_memory_allocated (tensor bytes; the caching allocator's reserved-but-free
 memory and its 512-byte rounding are not counted).
 
@@ -95,7 +96,7 @@ the plan's kept bytes equal what the tape holds) and tests/test_step.py (the tab
 what a dense and an MoE layer save). GPU (H100): measured peak <=
 budget and within 10% of the prediction (measured: within 1.2%, BENCHMARKS.md; dense models: MoE
 plans are not measured on a GPU yet).
-Caution: the kernel scratch rules below mirror kernels/lora_linear.py, kernels/linear_ce.py,
+Caution: the kernel scratch rules (plan_bytes.py) mirror kernels/lora_linear.py, kernels/linear_ce.py,
 kernels/moe_group.py and kernels/moe_route.py, and the MoE events models/moe.py's order; the CPU
 test fails when they drift apart (where they make the peak).
 """
@@ -103,19 +104,16 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from ..kernels.adamw import adamw_partials
-from ..kernels.arch import arch
 from ..kernels.attention_config import attention_bwd_scratch
 from ..kernels.gemm import interpret_big, interpreting
-from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
-from ..kernels.gemm_splitk import splitk_workspace_bytes
-from ..kernels.grouped_gemm import wgrad_scratch
-from ..kernels.lora_grad import _GRAD, _block_r
-from ..kernels.moe_group import _group_config
-from ..kernels.moe_route import _rows_config as _route_rows_config
+from ..kernels.linear_ce import _default_chunk_rows
+from ..kernels.lora_grad import _block_r
 from ..kernels.swiglu import lora_chunking as swiglu_lora_chunking
 from ..models.moe import mxfp4_group
-from .lora import EXPERT_TARGETS, TARGETS, _target_shape, layer_targets
+from .lora import EXPERT_TARGETS, TARGETS, layer_targets
+from .plan_bytes import (_proj_dims, constant_bytes, gather_buffer_bytes, head_host_bytes, head_host_scratch,
+                         layer_weight_bytes, linear_ce_scratch, lora_bwd_scratch, lora_state_bytes, moe_scratch,
+                         nf4_scratch_bytes)
 
 GiB = 1 << 30
 # Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to
@@ -335,86 +333,6 @@ def mode_bytes(cfg, n_tokens, act_bytes, policy, lora_rank=0, n_lora_targets=0, 
     return {m: sum(b for name, b in rows if mode_policy(m, name) == policy) for m in MODES}
 
 
-def _proj_dims(cfg, t):
-    """(in, out) of LoRA target projection t."""
-    C, F, Oq, Okv = cfg.hidden, cfg.intermediate, cfg.q_dim, cfg.kv_dim
-    return {"q": (C, Oq), "k": (C, Okv), "v": (C, Okv), "o": (Oq, C), "gate": (C, F), "up": (C, F),
-            "down": (F, C)}[t]
-
-
-def nf4_scratch_bytes(cfg, n_tokens, act_bytes):
-    """An NF4 model's projection dequantised for one GEMM (kernels/lora_linear._nf4_scratch), on the
-    shapes kernels/nf4.nf4_fused sends through a scratch copy: the largest such (O, K) of the
-    projections held in NF4 (models/weights.nf4_projections: an MoE layer's q, k, v, o only),
-    counted at every moment of the step (a bound: it lives for one GEMM, at the projections' moments)."""
-    if cfg.weight_quant != "nf4":
-        return 0
-    from ..kernels.nf4 import nf4_fused
-    from ..models.weights import nf4_projections
-
-    shapes = {s for li in range(cfg.n_layers) for _, _, s in nf4_projections(cfg, li)}  # (O, K)
-    return max((O * K for O, K in shapes if not nf4_fused(n_tokens, K, O)), default=0) * act_bytes
-
-
-def lora_numels(cfg, lora_rank, lora_targets):
-    """Per layer, its LoRA parameters (lora.py's layout): the adapters lora.layer_targets gives it."""
-    def numel(t):
-        if t not in EXPERT_TARGETS:
-            return lora_rank * sum(_proj_dims(cfg, t))
-        return cfg.n_experts * lora_rank * (2 if t == "gate_up" and not cfg.expert_bias else 1) * sum(_target_shape(cfg, t))
-
-    return [sum(numel(t) for t in layer_targets(cfg, li, tuple(lora_targets))) for li in range(cfg.n_layers)]
-
-
-def lora_state_bytes(cfg, lora_rank, lora_targets, act_bytes, optimizer=True, host_state=False):
-    """The LoRA flat buffers (runtime/lora.py: params fp32, grads fp32, the compute copy unless
-    fp32) and AdamW's moments m, v fp32 (runtime/optim.py). Each layer holds the adapters
-    lora.layer_targets gives it (an MoE layer's experts: A (E, R, in) and B (E, out, R), R = 2r
-    for Qwen3-MoE's gate_up, r for GPT-OSS's). host_state (runtime/host_state.py): the GPU holds
-    the compute copy (also in fp32), the ring's two slots of the largest layer's share and the
-    norm's partials; the rest is pinned host memory."""
-    per_layer = lora_numels(cfg, lora_rank, lora_targets)
-    P = sum(per_layer)
-    if host_state:
-        return P * act_bytes + 2 * max(max(per_layer), 1) * 4 + 4 * max(sum(adamw_partials(n, P) for n in per_layer), 1)
-    per = 4 + 4 + (act_bytes if act_bytes != 4 else 0) + (8 if optimizer else 0)
-    return P * per
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _lora_partials(N, P, R):
-    """lora_grad._lora_grad's (S, P*R) fp32 partial sums."""
-    BP, BT = (32, 32) if interpreting() else _GRAD[:2]
-    chunk = BT * _cdiv(_cdiv(N, _cdiv(2 * arch().sms, _cdiv(P, BP))), BT)  # the current GPU's SMs, as the kernel
-    return _cdiv(N, chunk) * P * R * 4
-
-
-def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
-    """What the LoRA backward of one (K -> O) projection allocates: part "all", lora_linear_bwd
-    whole (zero-padded A, B copies when R is not its padded rank RP, dy B (N, RP), then the da
-    and db partials one after the other); "dx", with da deferred (the caller's dy B, the padded
-    copies, the db partials); "dA", lora_linear_bwd_da's da partials; "dyb", the dy B alone."""
-    if N == 0:
-        return 0
-    RP = _block_r(R)
-    pad = (RP * K + O * RP) * act_bytes if RP != R else 0
-    dyb = N * RP * act_bytes
-    return {"all": pad + dyb + max(_lora_partials(N, K, RP), _lora_partials(N, O, R)),
-            "dx": dyb + pad + _lora_partials(N, O, R), "dA": _lora_partials(N, K, RP), "dyb": dyb,
-            "dx_nodb": dyb + pad}[part]
-
-
-def linear_ce_scratch(N, V, C, act_bytes, rows=None):
-    """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32 and the largest split-K
-    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter).
-    rows: the chunk rows the step passes (Plan.loss_rows), None: linear_ce's default."""
-    rows = max(1, min(rows or _default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
-    return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
-
-
 # The lm_head + loss in chunks of CE_FAST_ROWS rows where that costs no peak memory (Plan.loss_rows).
 # linear_ce's default chunk is the fewest rows that keep its two GEMMs compute-bound (640 for a
 # C 2048, V 151936 head), the least scratch; more rows run faster. H100, bf16, N 8192, 2026-11-27
@@ -457,23 +375,6 @@ def fast_loss_rows(cfg, n_tokens, act_bytes, head_host=False):
     return CE_FAST_ROWS if min(_default_chunk_rows(N, V, C, act_bytes, False), N) < min(CE_FAST_ROWS, N) else None
 
 
-def head_host_bytes(cfg, act_bytes, world=1):
-    """The lm_head's two chunk buffers on the GPU when it lives on the host (head_host.HostHead) or
-    in the ranks' shards (world > 1: shard.ShardHead, its chunks a multiple of world rows)."""
-    from .head_host import chunk_rows
-    return 2 * chunk_rows(cfg.vocab, cfg.hidden, act_bytes, world) * cfg.hidden * act_bytes
-
-
-def head_host_scratch(N, V, C, act_bytes):
-    """linear_ce_vchunk's allocations with the head on the host: the (N, Vc) logits chunk, m, s, x_t
-    and the row losses (N,) fp32, dh's fp32 accumulator (N, C) unless fp32, and the largest split-K
-    workspace of its chunk GEMMs (logits (N, Vc) over C, dh (N, C) over Vc)."""
-    from .head_host import chunk_rows
-    Vc = chunk_rows(V, C, act_bytes)
-    ws = max(splitk_workspace_bytes(N, Vc, C, act_bytes), splitk_workspace_bytes(N, C, Vc, act_bytes))
-    return N * Vc * act_bytes + 4 * N * 4 + (N * C * 4 if act_bytes != 4 else 0) + ws
-
-
 def head_host_cost(cfg, n_tokens, act_bytes, rates, world=1):
     """Seconds the streamed head adds to a step: its 2n - 2 chunk copies over the link, less the three
     lm_head GEMMs they hide under (two when the head is on the GPU: the third is added). world > 1:
@@ -487,40 +388,6 @@ def head_host_cost(cfg, n_tokens, act_bytes, rates, world=1):
     moved = (2 * n - 2 if n > 1 else 1) * Vc * C * act_bytes
     link = moved / rates.h2d if world <= 1 else moved * (world - 1) / world / rates.link
     return gemm + max(0.0, link - 3 * gemm)
-
-
-def moe_step_bytes(cfg):
-    """An MoE model's per-step buffers (step.moe_step): counts (E,) fp32, and with the aux loss on
-    prob_sum, aux_grad (E,) fp32 and aux (1,) fp32. Each step makes them anew and model.cache
-    holds them until the next one replaces them: persistent state, like the constants."""
-    if not cfg.moe_layers:
-        return 0
-    return 4 * cfg.n_experts + (4 * (2 * cfg.n_experts + 1) if cfg.aux_loss_coef > 0 else 0)
-
-
-def constant_bytes(cfg, n_tokens):
-    """The batch descriptor (at most 4N + 1 int32: ids, positions, targets, cu_seqlens), the
-    RoPE tables (cos, sin (N, D/2) fp32; the model's inverse frequencies (D/2,) fp32) and an MoE
-    model's per-step buffers (moe_step_bytes)."""
-    N, half = n_tokens, cfg.head_dim // 2
-    return (4 * N + 1) * 4 + 2 * N * half * 4 + half * 4 + moe_step_bytes(cfg)
-
-
-def moe_scratch(cfg, n_tokens, act_bytes, lora_rank=0):
-    """The scratch the MoE kernels allocate per call (moe.py's launches): group_slots' (blocks, E)
-    int32, route_topk_fwd's (programs, E) fp32 prob_sum partials (aux loss on), and the router
-    GEMMs' split-K workspaces, logits (N, E) over C and dn2 (N, C) over E."""
-    N, E, C = n_tokens, cfg.n_experts, cfg.hidden
-    P = N * cfg.top_k
-    hist = max(1, _cdiv(P, _group_config(P, E)[0])) * E * 4
-    blocks = _cdiv(N, _route_rows_config(N, E)[0])
-    part = min(blocks, 2 if interpreting() else 16 * arch().sms) * E * 4 if N else 0
-    R, Fe = lora_rank, cfg.moe_intermediate
-    Rgu = lora_rank * (1 if cfg.expert_bias else 2)
-    wg = {"wg_d_db": (C, R), "wg_d_da": (R, Fe), "wg_gu_db": (2 * Fe, Rgu), "wg_gu_da": (Rgu, C)}  # dw[e]'s (M, Kd)
-    return {"hist": hist, "route_part": part, "ws_fwd": splitk_workspace_bytes(N, E, C, act_bytes),
-            "ws_bwd": splitk_workspace_bytes(N, C, E, act_bytes),
-            **{k: wgrad_scratch(E, M, Kd) for k, (M, Kd) in wg.items()}}
 
 
 class Memory(NamedTuple):
@@ -789,30 +656,6 @@ class Plan:
     def host_bytes(self):
         """Pinned host bytes: a slot per offloaded row of every layer."""
         return self._bytes(OFFLOAD)
-
-
-def layer_weight_bytes(cfg, li, act_bytes, world=1):
-    """Bytes of decoder layer li's frozen buffers (weights.Layer: buf in the act dtype, qbuf), each
-    padded to `world` equal parts as sharded weights gather them (runtime/shard.py)."""
-    import torch
-
-    from ..models.weights import Layer
-
-    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[act_bytes]
-    layer = Layer(cfg, dtype, "meta", li)  # sizes only: nothing is allocated
-    pad = lambda n: -(-n // world) * world  # noqa: E731
-    return pad(layer.buf.numel()) * act_bytes + pad(layer.qbuf.numel())
-
-
-def gather_buffer_bytes(cfg, act_bytes, world):
-    """offload.Gather's rotating full layers: two of each kind of layer (one where a kind has one
-    layer); 0 for whole weights (world 1)."""
-    if world <= 1:
-        return 0
-    kinds = {}
-    for li in range(cfg.n_layers):
-        kinds.setdefault(cfg.is_moe(li), []).append(layer_weight_bytes(cfg, li, act_bytes, world))
-    return sum(min(len(sizes), 2) * max(sizes) for sizes in kinds.values())
 
 
 def gather_cost(cfg, modes, n_tokens, act_bytes, rates, world):

@@ -25,9 +25,10 @@ from .head_host import head_to_host
 from .lora import TARGETS
 from .plan import (
     AUTO, DEFAULT_RATES, GiB, KEEP, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, PLAN, RECOMPUTE, SLACK, Memory, PlanError,
-    decide_loss_rows, embed_gather_cost, gather_cost, head_host_bytes, head_host_cost, layer_bytes, layer_modes, make_plan,
-    mode_bytes, mode_policy, plan_cost, row_bytes,
+    decide_loss_rows, embed_gather_cost, gather_cost, head_host_cost, layer_bytes, layer_modes, make_plan, mode_bytes,
+    mode_policy, plan_cost, row_bytes,
 )
+from .plan_bytes import head_host_bytes
 
 
 def ordered_modes(L, n_up, n_offload, n_recompute):
@@ -143,7 +144,7 @@ def early_plan(model, r, targets, dropout, n_tokens, budget_gib, lora_state="dev
     from types import SimpleNamespace
 
     from .lora import _normalise_targets
-    from .plan import lora_numels
+    from .plan_bytes import lora_numels
 
     targets = _normalise_targets(targets)
     spec = lambda host: SimpleNamespace(r=r, targets=targets, dropout=dropout, host_state=host,  # noqa: E731

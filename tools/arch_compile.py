@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.compiler.compiler import get_cache_key  # noqa: E402
 from triton.compiler.compiler import get_cache_invalidating_env_vars  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature  # noqa: E402
 
 TARGETS = (80, 86, 89, 90, 100, 120, 121)
 META = torch.device("meta")
@@ -256,6 +256,18 @@ def _backend(cc):
     return _BACKENDS[cc]
 
 
+_CACHES = {}
+
+
+def _caches(fn, cc):
+    """fn's argument binder for cc's backend and its two launch caches, made once, as JITFunction
+    keeps them per device (building the binder execs generated source: most of the recording's
+    time when redone for every launch)."""
+    if (fn, cc) not in _CACHES:
+        _CACHES[fn, cc] = (create_function_from_signature(fn.signature, fn.params, _backend(cc)[1]), {}, {})
+    return _CACHES[fn, cc]
+
+
 def specialize(fn, args, kwargs, cc):
     """(compile key, job) of a launch as Triton would compile it for cc. The key is Triton's own
     cache key (triton.compile's: the kernel's and its callees' source, the specialization, the
@@ -263,13 +275,17 @@ def specialize(fn, args, kwargs, cc):
     reuse its compiled binary."""
     target, backend = _backend(cc)
     kwargs = dict(kwargs, debug=False, instrumentation_mode="")
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    binder, key_cache, launches = _caches(fn, cc)
     bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    src = ASTSource(fn, signature, constexprs, attrs)
-    key = get_cache_key(src, backend, backend.parse_options(options.__dict__), get_cache_invalidating_env_vars())
-    job = (fn.fn.__module__, fn.fn.__name__, cc, signature, constexprs, attrs, options.__dict__)
-    return hashlib.sha256(key.encode()).hexdigest(), job
+    # JITFunction.run's in-process key: a launch with the same one runs the kernel it compiled
+    launch = compute_cache_key(key_cache, spec, opts)
+    if launch not in launches:
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+        src = ASTSource(fn, signature, constexprs, attrs)
+        key = get_cache_key(src, backend, backend.parse_options(options.__dict__), get_cache_invalidating_env_vars())
+        job = (fn.fn.__module__, fn.fn.__name__, cc, signature, constexprs, attrs, options.__dict__)
+        launches[launch] = (hashlib.sha256(key.encode()).hexdigest(), job)
+    return launches[launch]
 
 
 def config_text(fn, constexprs, options):

@@ -7,9 +7,9 @@
         dequantised for one GEMM)
     the lm_head's chunk buffers when it streams from the host, sharded weights' gather buffers
 
-Sizes only: nothing here allocates, and the formulas read the kernels' own config choosers (a kernel
-that changes its scratch changes these numbers with it). tests/test_step.py and tests/test_offload.py
-compare them with what the step really allocates.
+Sizes only: nothing here allocates. The formulas ask the kernels' config choosers where those decide
+a size and mirror the launchers otherwise; tests/test_offload.py compares the walk, these sizes
+included, with the bytes a step really allocates, and fails when the two drift apart.
 Shape legend as plan.py's: N tokens, C hidden, V vocab, E experts, P = N*K slots, R LoRA rank.
 """
 from ..kernels.adamw import adamw_partials

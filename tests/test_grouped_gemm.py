@@ -193,6 +193,37 @@ def test_gmm_programs_past_the_last_tile_write_nothing(monkeypatch):
     assert_close_rule(ys[0], gmm_ref(x.double(), w.double(), offsets, y0=y0.double()), name="y")
 
 
+def test_gmm_short_tail_tiles_cover_exactly_the_short_tails(monkeypatch):
+    """An expert's last M-tile of at most TAIL_M rows runs as the short tile, every other tile as a
+    full one. Made visible by handing the short tile an x of twice the values (pointer loads, where
+    its x source is x itself in real use): exactly the rows of the short tails come out doubled.
+    With BLOCK_M = B and TAIL_M = T (interpreter 16 and 8; fp32 on a GPU 64 and 32), experts of
+    T - 3 rows (short), B - 3 (a full tile), B + 3 (full, then short), 0, B, T (short: at most
+    TAIL_M) and T + 1 (full)."""
+    g = fresh_generator()
+    O, Kd = 21, 37
+    BM = GG._config(16, O, Kd, torch.float32, torch.device(DEVICE))[0]
+    TM = GG.tail_rows(BM)
+    assert 8 <= TM < BM, f"the short tail tile is off for BLOCK_M {BM}: TAIL_M {TM}"
+    counts = [TM - 3, BM - 3, BM + 3, 0, BM, TM, TM + 1]
+    shorts = [(0, TM - 3), (0, 0), (BM, 3), (0, 0), (0, 0), (0, TM), (0, 0)]  # (first row, rows) in each expert
+    offsets = _offsets(counts)
+    P = sum(counts)
+    x, w = randn(P, Kd, g=g), randn(len(counts), O, Kd, g=g)
+    assert GG._config(-(-P // len(counts)), O, Kd, x.dtype, x.device)[0] == BM
+    run = GG._loads
+    monkeypatch.setattr(GG, "_loads", lambda *a: run(*a)[:3] + (2 * x,))
+    monkeypatch.setattr(GG, "tma_ok", lambda *ts, macs: False)
+    y = torch.empty(P, O, device=DEVICE)
+    gmm(y, x, w, offsets)
+    ref = gmm_ref(x.double(), w.double(), offsets)
+    short = torch.zeros(P, dtype=torch.bool)
+    for start, (first, rows) in zip(offsets.tolist(), shorts):
+        short[start + first:start + first + rows] = True
+    scale = torch.where(short, 2.0, 1.0).double().to(ref.device)[:, None]
+    assert_close_rule(y, ref * scale, name="y")
+
+
 # every gather_a / gather_b / scale combination; (M, Kd) alternate between (R, wide) and (wide, R)
 WGRAD_CASES = [(ga, gb, sc) for ga in (False, True) for gb in (False, True) for sc in (False, True)]
 

@@ -3,6 +3,8 @@ torch._grouped_mm on the same rows pre-gathered, bf16, 8192 tokens.
 
     python tools/gmm_tune.py                 # both models, every case, every candidate
     python tools/gmm_tune.py --models oss    # gpt-oss-20b only (a3b: Qwen3-30B-A3B)
+    python tools/gmm_tune.py --configs 128,256,64,8,4 --tail 0,1 --zipf 0   # the short tail tile
+                                             # off / on (grouped_gemm.TAIL), near-uniform routing
 
 Cases (models/moe.py's forward and backward GEMMs; "+LoRA": with the adapter's rank-R epilogue,
 s xa[p] b[e]^T, in the same program at the same tile, as the step runs gate_up, down and dX):
@@ -10,7 +12,8 @@ s xa[p] b[e]^T, in the same program at the same tile, as the step runs gate_up, 
   down     y (P, C)  = act Wd[e]^T                                Wd (E, C, F)       +LoRA r 16
   dX       y (P, C)  = dh Wgu[e]                   w transposed   (unit stride on its O dim), +LoRA r 32
   G        y (P, F)  = g[order // K] Wd[e]         gathered, w transposed
-Routing: tools/bench.py's zipf_experts (s = 0.5, seeded, one empty expert). Each candidate replaces
+Routing: tools/bench.py's zipf_experts (s = 0.5 unless --zipf, seeded, one empty expert; --zipf 0:
+uniform over the others, as a random-init router routes). Each candidate replaces
 grouped_gemm._config for its runs (monkeypatched), is checked against torch (relative Frobenius
 error <= 1e-2, else BAD; torch's +LoRA: a second grouped GEMM and an add) and timed by triton.testing.do_bench (median ms, L2 flushed). The table
 gives ms, TFLOP/s, the ratio to torch._grouped_mm and the first candidate's row (the sm90 tier's
@@ -42,10 +45,10 @@ CANDIDATES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first:
 ]
 
 
-def cases(m, dev):
+def cases(m, dev, zipf=None):
     N, C, F, E, K = (m[k] for k in ("N", "C", "F", "E", "K"))
     P = N * K
-    ids, _ = zipf_experts(N, E, K)
+    ids, _ = zipf_experts(N, E, K) if zipf is None else zipf_experts(N, E, K, s=zipf)
     order, slot_pos = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(2))
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     group_slots(order, slot_pos, offsets, torch.tensor(ids, device=dev))
@@ -69,14 +72,18 @@ def main(argv=None):
     p.add_argument("--models", default="a3b,oss")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--configs", default="", help="semicolon-separated BM,BN,BK,warps,stages (default: CANDIDATES)")
+    p.add_argument("--zipf", type=float, help="routing popularity exponent (default tools/bench.py's MOE_ZIPF)")
+    p.add_argument("--tail", default="", help="comma-separated grouped_gemm.TAIL values to run each config at "
+                   "(0 off, 1 on; default: as the module has it)")
     a = p.parse_args(argv)
+    tails = [bool(int(t)) for t in a.tail.split(",")] if a.tail else [GG.TAIL]
     dev = "cuda"
     default = GG._config
     candidates = [tuple(map(int, c.split(","))) for c in a.configs.split(";")] if a.configs else CANDIDATES
     best = []
     print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     for model in a.models.split(","):
-        offsets, order, K, todo = cases(MODELS[model], dev)
+        offsets, order, K, todo = cases(MODELS[model], dev, a.zipf)
         ends = offsets[1:]
         for name, x, w, gather, lora in todo:
             if a.cases and name not in a.cases.split(","):
@@ -97,18 +104,19 @@ def main(argv=None):
             print(f"\n{model} {name}: P{P} O{O} K{Kd} E{E}{' gathered' if gather else ''}; torch._grouped_mm "
                   f"{t_ms:.3f} ms ({flops / t_ms / 1e9:.0f} TF/s)", flush=True)
             rows = []
-            for cfg in candidates:
+            for cfg, tail in ((c, t) for c in candidates for t in tails):
+                GG.TAIL = tail
                 GG._config = lambda *_, c=cfg: (c[0], min(c[1], max(16, 1 << (O - 1).bit_length())), *c[2:])
                 try:
                     GG.gmm(y, x, w, offsets, **kw)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 (a config that does not fit: reported, not fatal)
-                    print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                    print(f"  {cfg} tail {int(tail)}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
                     continue
                 err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
                 ms = do_bench(lambda: GG.gmm(y, x, w, offsets, **kw))
                 rows.append((ms, cfg, err))
-                print(f"  {cfg}: {ms:.3f} ms  {flops / ms / 1e9:4.0f} TF/s  vs grouped_mm {t_ms / ms:.2f}x"
+                print(f"  {cfg} tail {int(tail)}: {ms:.3f} ms  {flops / ms / 1e9:4.0f} TF/s  vs grouped_mm {t_ms / ms:.2f}x"
                       f"{'  BAD err %.2e' % err if err > 1e-2 else ''}", flush=True)
             GG._config = default
             good = sorted(r for r in rows if r[2] <= 1e-2)

@@ -38,6 +38,9 @@ gmm's grid: an upper bound of the M-tiles from P and E alone, (P + min(E, P) * (
 BLOCK_M (<= cdiv(P, BLOCK_M) + E), times the N-tiles, in gemm's grouped order. Each program loads
 offsets, counts every expert's tiles and their prefix in registers, finds the expert and rows it
 owns, and exits when past the last tile: no host read, so a step captures in a CUDA graph.
+An expert's last M-tile holding at most TAIL_M = BLOCK_M / 2 rows runs as a (TAIL_M, BLOCK_N) tile
+(the same body, _gmm_tile, at the shorter height; TAIL below): half the tensor-core work of the rows
+it would otherwise spend on masked rows.
 Loads (W_DESC): where the arch table takes the Hopper path (gemm.tma_ok: 16-bit, TMA-describable,
 at least TMA_MIN_MACS multiply-adds or a step being captured), w's tiles come through one TMA
 descriptor over the experts stacked as (E*O, Kd) rows (w contiguous) or (E*Kd, O) rows (w the
@@ -56,7 +59,8 @@ Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) u
 interpreter: P 1..37, odd O / Kd, E 1, 3, 8, empty experts (first, last, middle), all rows on one
 expert, gather_div 1/2/4, transposed w, LoRA, accumulate, per-expert bias (model dtype and fp32,
 with gather, LoRA, transposed w, accumulate), guard rows and columns around y and dw,
-every gather/scale combination of gmm_wgrad, bitwise repeatability; gmm's cases again on the descriptor
+every gather/scale combination of gmm_wgrad, bitwise repeatability, the rows the short tail tile
+takes (exactly the experts' last tiles of at most TAIL_M rows); gmm's cases again on the descriptor
 loads (forced on the CPU; row strides padded to 16 bytes, odd sizes), their tiles running into the
 neighbouring experts' rows. Its bf16 GPU test (Qwen3-30B-A3B sizes) passes on the H100. Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
@@ -154,11 +158,34 @@ def _gmm_kernel(
                                             # is the dtype's): 0 pointers; 1 w_ptr a descriptor of w as
                                             # (E*O, Kd) rows, 2 of w as (E*Kd, O) rows (w^T contiguous);
                                             # with 1 or 2 and no GATHER, x_ptr a descriptor of x (P, Kd)
+    TAIL_M: tl.constexpr,                   # an expert's last tile of at most TAIL_M rows runs as a (TAIL_M,
+    xt_ptr,                                 # BLOCK_N) tile (0: never); xt_ptr: x_ptr, or x's descriptor for it
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, O, BLOCK_M, BLOCK_N, GROUP_M)
     e, row0, row_end, total = _expert_of_tile(off_ptr, E, pid_m, BLOCK_M, BLOCK_E)
     if pid_m >= total:                      # past the last tile of the last expert
         return
+    if TAIL_M > 0:
+        if row_end - row0 <= TAIL_M:        # the expert's short last tile: half the tensor-core work
+            _gmm_tile(y_ptr, xt_ptr, w_ptr, gather_ptr, xa_ptr, b_ptr, bias_ptr, e, row0, row_end, pid_n,
+                      O, Kd, R, gather_div, scale, stride_ym, stride_xm, stride_xk, stride_we, stride_wo,
+                      stride_wk, stride_am, stride_ar, stride_be, stride_bo, stride_br, stride_biase,
+                      GATHER, LORA, BIAS, ACCUMULATE, TAIL_M, BLOCK_N, BLOCK_K, BLOCK_R, PRECISION, W_DESC)
+            return
+    _gmm_tile(y_ptr, x_ptr, w_ptr, gather_ptr, xa_ptr, b_ptr, bias_ptr, e, row0, row_end, pid_n,
+              O, Kd, R, gather_div, scale, stride_ym, stride_xm, stride_xk, stride_we, stride_wo,
+              stride_wk, stride_am, stride_ar, stride_be, stride_bo, stride_br, stride_biase,
+              GATHER, LORA, BIAS, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, PRECISION, W_DESC)
+
+
+@triton.jit
+def _gmm_tile(y_ptr, x_ptr, w_ptr, gather_ptr, xa_ptr, b_ptr, bias_ptr, e, row0, row_end, pid_n,
+              O, Kd, R, gather_div, scale, stride_ym, stride_xm, stride_xk, stride_we, stride_wo, stride_wk,
+              stride_am, stride_ar, stride_be, stride_bo, stride_br, stride_biase,
+              GATHER: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+              PRECISION: tl.constexpr, W_DESC: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile of y at rows row0.. (< row_end, expert e's) and column block pid_n."""
     rm = row0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -283,6 +310,17 @@ TILES = {
 # with it. Not for sm_100, which reads the sm90 tier: ptxas-blackwell fails on this tile with LoRA
 # (tools/arch_compile.py; with the LoRA's own accumulator, as before the change).
 TUNED = {"sm_90": (128, 256, 64, 8, 4)}
+# The short tail tile (gmm's TAIL_M = BLOCK_M / 2): an expert's rows rarely fill its last M-tile, and
+# a full tile's tensor-core work is spent on masked rows. With P = 65,536 rows over 128 experts
+# (Qwen3-30B-A3B, 8192 tokens, uniform routing) 128-row tiles compute 11.9% more rows than there are;
+# with the expert's last tile at 64 rows where its rows fit, 5.9% (gpt-oss-20b: 5.1% -> 2.3%).
+# H200, bf16, 128 x 256 tiles, ms off -> on (tools/gmm_tune.py --configs 128,256,64,8,4 --tail 0,1
+# --zipf 0): Qwen3-30B-A3B gate_up+LoRA 0.828 -> 0.789, down+LoRA 0.482 -> 0.458, dX+LoRA 0.861 ->
+# 0.790, G 0.393 -> 0.391; gpt-oss-20b 1.962 -> 1.899, 1.009 -> 0.940, 1.826 -> 1.872, 0.959 -> 0.999
+# (its experts' 1,024 rows: fewer tails, the spread of a rerun). The cut steps, lean+graph tok/s in
+# one call: Qwen3-30B-A3B packed 114,049 -> 114,798, padded 112,081 -> 113,977; gpt-oss-20b packed
+# 67,142 -> 67,585 (BENCHMARKS.md). The env switch: before/after experiments.
+TAIL = os.environ.get("LEAN_GMM_TAIL", "1") != "0"
 # gmm_wgrad's runs per expert (wgrad_split) where dw[e] is small (M * Kd <= WGRAD_SPLIT_MAX_DW):
 # there the partials cost little and the busiest expert's rows set the time. H100, `LEAN_WGRAD_SPLIT=S
 # python tools/bench.py kernels --only moe` (Qwen3-30B-A3B, P 65,536, E 128, Zipf(0.5) routing:
@@ -373,7 +411,8 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, ac
     tiles_m = (P + min(E, P) * (BM - 1)) // BM  # >= sum_e cdiv(rows_e, BM): sum of floors <= floor of sum
     BR = _pow2(R, 16, 64)
     nul = y  # unused pointer slots
-    mode, x_src, w_src = _loads(x, w, gather is not None, P * O * Kd, BM, BN, BK)
+    TM = tail_rows(BM)
+    mode, x_src, w_src, xt_src = _loads(x, w, gather is not None, P * O * Kd, BM, BN, BK, TM)
     _gmm_kernel[(tiles_m * triton.cdiv(O, BN),)](
         y, x_src, w_src, offsets, gather if gather is not None else offsets,
         xa if xa is not None else nul, b if b is not None else nul, bias if bias is not None else nul,
@@ -383,25 +422,36 @@ def gmm(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, bias=None, ac
         bias.stride(0) if bias is not None else 0,
         GATHER=gather is not None, LORA=lora is not None, BIAS=bias is not None, ACCUMULATE=bool(accumulate),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, BLOCK_E=_pow2(E, 16, MAX_E), GROUP_M=GROUP_M,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W_DESC=mode, num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W_DESC=mode, TAIL_M=TM, xt_ptr=xt_src,
+        num_warps=warps, num_stages=stages)
 
 
-def _loads(x, w, gathered, macs, BM, BN, BK):
+def tail_rows(BM):
+    """gmm's TAIL_M for BLOCK_M = BM: half the tile where that is still a dot's height (16 on a GPU,
+    8 under the interpreter), else 0 (no short tail tile). See TAIL."""
+    tm = BM // 2 if TAIL else 0
+    return tm if tm >= (8 if interpreting() else 16) else 0
+
+
+def _loads(x, w, gathered, macs, BM, BN, BK, TM=0):
     """(W_DESC, x source, w source): descriptors where the arch takes the Hopper path and the
     operands are TMA-describable (gemm.tma_ok: 16-bit, 16-byte aligned rows, at least TMA_MIN_MACS
     multiply-adds or a step being captured): w's experts stacked as (E*O, Kd) rows (w contiguous) or
     (E*Kd, O) (w the transpose of a contiguous (E, Kd, O) weight), x's (P, Kd) rows when not
-    gathered (a gathered x keeps its pointer loads). Else (0, x, w): the pointer loop."""
+    gathered (a gathered x keeps its pointer loads), in (BM, BK) tiles and, for the short tail tile,
+    (TM, BK) ones. Else (0, x, w, x): the pointer loop. The last item is the tail tile's x source."""
     E, O, Kd = w.shape
     if w.stride(2) == 1 and w.stride(0) == O * w.stride(1):
         mode, w2, block = 1, w.as_strided((E * O, Kd), (w.stride(1), 1)), (BN, BK)
     elif w.stride(1) == 1 and w.stride(0) == Kd * w.stride(2):
         mode, w2, block = 2, w.as_strided((E * Kd, O), (w.stride(2), 1)), (BK, BN)
     else:
-        return 0, x, w
+        return 0, x, w, x
     if not tma_ok(w2, *(() if gathered else (x,)), macs=macs):
-        return 0, x, w
-    return mode, x if gathered else tma_desc(x, (BM, BK)), tma_desc(w2, block)
+        return 0, x, w, x
+    if gathered:
+        return mode, x, tma_desc(w2, block), x
+    return mode, tma_desc(x, (BM, BK)), tma_desc(w2, block), tma_desc(x, (max(TM, 8), BK))
 
 
 def gmm_wgrad(dw, a, b, offsets, *, gather_a=None, gather_b=None, gather_div=1, scale=None, alpha=1.0):

@@ -32,7 +32,7 @@ gmm_mxfp4: lean/kernels/grouped_gemm.py's gmm with the weight held as MXFP4 (blo
     A w tile is read as whole bytes and scales along its packed dim ((BN, BK/2) and (BN, BK/32) with
     blocks along Kd, (BK, BN/2) and (BK, BN/32) transposed: BK / BN at least 32), decoded and
     scaled in registers (_decode); the tiles are otherwise gmm's (its _config: timed for gmm, not for
-    this kernel).
+    this kernel), without gmm's short tail tile (grouped_gemm.TAIL).
 
 Supported: any leading shape and block count (int64 offsets); contiguous tensors.
 Shared memory (triton.compile for GPUTarget on the CPU, as tools/arch_compile.py; gpt-oss-20b's

@@ -5,6 +5,8 @@ torch._grouped_mm on the same rows pre-gathered, bf16, 8192 tokens.
     python tools/gmm_tune.py --models oss    # gpt-oss-20b only (a3b: Qwen3-30B-A3B)
     python tools/gmm_tune.py --configs 128,256,64,8,4 --tail 0,1 --zipf 0   # the short tail tile
                                              # off / on (grouped_gemm.TAIL), near-uniform routing
+    python tools/gmm_tune.py --wgrad --models a3b --zipf 0   # gmm_wgrad's four LoRA weight gradients
+                                             # at WGRAD_CANDIDATES x splits 1, 4 (and WGRAD_SPLIT)
 
 Cases (models/moe.py's forward and backward GEMMs; "+LoRA": with the adapter's rank-R epilogue,
 s xa[p] b[e]^T, in the same program at the same tile, as the step runs gate_up, down and dX):
@@ -45,6 +47,70 @@ CANDIDATES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first:
 ]
 
 
+# gmm_wgrad (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages); BLOCK_M / BLOCK_K narrowed to the
+# dims as grouped_gemm._wgrad_config does. The first: the sm90 tier's.
+WGRAD_CANDIDATES = [
+    (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 128, 4, 3),
+    (128, 128, 128, 8, 3), (128, 128, 32, 4, 4), (256, 256, 64, 8, 3), (256, 256, 64, 4, 3),
+    (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (256, 256, 128, 8, 2), (64, 64, 256, 4, 2),
+]
+
+
+def wgrad_cases(m, dev, zipf=None):
+    """models/moe.py's four expert LoRA weight gradients: (name, a, b, gather_a, gather_b, scaled)."""
+    N, C, F, E, K = (m[k] for k in ("N", "C", "F", "E", "K"))
+    P, R = N * K, 16
+    ids, _ = zipf_experts(N, E, K) if zipf is None else zipf_experts(N, E, K, s=zipf)
+    order, slot_pos = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(2))
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    group_slots(order, slot_pos, offsets, torch.tensor(ids, device=dev))
+    r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)  # noqa: E731
+    n2, g, act, dh = r(N, C), r(N, C), r(P, F), r(P, 2 * F)
+    xa_gu, dhb, xa_d, gb = r(P, 2 * R), r(P, 2 * R), r(P, R), r(P, R)
+    w = torch.rand(P, device=dev).to(torch.bfloat16)
+    return offsets, order, K, (w, order), [
+        ("gate_up dB", dh, xa_gu, False, False, False), ("gate_up dA", dhb, n2, False, True, False),
+        ("down dB", g, xa_d, True, False, True), ("down dA", gb, act, False, False, True)]
+
+
+def wgrad_main(a, dev):
+    """Time gmm_wgrad's cases at each candidate (and split 1 / WGRAD_SPLIT where it splits)."""
+    default_cfg, default_split = GG._wgrad_config, GG.wgrad_split
+    candidates = [tuple(map(int, c.split(","))) for c in a.configs.split(";")] if a.configs else WGRAD_CANDIDATES
+    pow2 = lambda n, hi: max(16, min(hi, 1 << (max(n, 1) - 1).bit_length()))  # noqa: E731
+    for model in a.models.split(","):
+        offsets, order, K, slot, todo = wgrad_cases(MODELS[model], dev, a.zipf)
+        E = offsets.numel() - 1
+        for name, x, y, ga, gb, scaled in todo:
+            M, Kd = x.shape[1], y.shape[1]
+            kw = dict(gather_a=order if ga else None, gather_b=order if gb else None, gather_div=K,
+                      scale=slot if scaled else None, alpha=2.0)
+            dw = torch.zeros(E, M, Kd, device=dev)
+            GG._wgrad_config, GG.wgrad_split = default_cfg, default_split
+            GG.gmm_wgrad(dw, x, y, offsets, **kw)
+            ref = dw.clone()
+            rows_x = x.shape[0]
+            nbytes = 2 * (rows_x * M + y.shape[0] * Kd) + 8 * E * M * Kd
+            print(f"\n{model} wgrad {name}: M{M} Kd{Kd} E{E}; default split {default_split(M, Kd)}; "
+                  f"{nbytes / 1e6:.0f} MB", flush=True)
+            for cfg in candidates:
+                for split in sorted({1, 4, default_split(M, Kd)}):
+                    GG._wgrad_config = lambda M_, Kd_, *_, c=cfg: (pow2(M_, c[0]), pow2(Kd_, c[1]), *c[2:])
+                    GG.wgrad_split = lambda *_, s=split: s
+                    try:
+                        dw.zero_()
+                        GG.gmm_wgrad(dw, x, y, offsets, **kw)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001 (a config that does not fit: reported)
+                        print(f"  {cfg} split {split}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                        continue
+                    err = ((dw - ref).norm() / ref.norm()).item()
+                    ms = do_bench(lambda: GG.gmm_wgrad(dw, x, y, offsets, **kw))
+                    print(f"  {cfg} split {split}: {ms * 1e3:.1f} us  {nbytes / ms / 1e6:.0f} GB/s"
+                          f"{'  BAD err %.2e' % err if err > 1e-3 else ''}", flush=True)
+    GG._wgrad_config, GG.wgrad_split = default_cfg, default_split
+
+
 def cases(m, dev, zipf=None):
     N, C, F, E, K = (m[k] for k in ("N", "C", "F", "E", "K"))
     P = N * K
@@ -75,7 +141,11 @@ def main(argv=None):
     p.add_argument("--zipf", type=float, help="routing popularity exponent (default tools/bench.py's MOE_ZIPF)")
     p.add_argument("--tail", default="", help="comma-separated grouped_gemm.TAIL values to run each config at "
                    "(0 off, 1 on; default: as the module has it)")
+    p.add_argument("--wgrad", action="store_true", help="gmm_wgrad's cases instead (--configs: its 5-tuples)")
     a = p.parse_args(argv)
+    if a.wgrad:
+        print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+        return wgrad_main(a, "cuda")
     tails = [bool(int(t)) for t in a.tail.split(",")] if a.tail else [GG.TAIL]
     dev = "cuda"
     default = GG._config

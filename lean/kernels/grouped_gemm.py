@@ -72,7 +72,8 @@ add for the LoRA), descriptor loads: Qwen3-30B-A3B (P 65,536, E 128, C 2048, F 7
 0.840 ms (1.31x torch), down + LoRA 0.491 (1.75x), dX + LoRA 0.864 (1.42x), without LoRA gate/up
 0.792 (0.93x; pointer loads 0.878, 0.86x), down 0.440 (1.07x; 0.507), dX 0.808 (0.814); gpt-oss-20b
 (P 32,768, E 32, C = F = 2880) 1.932 (1.20x), 0.944 (1.29x), 1.938 (1.09x). gmm_wgrad dA (gathered
-n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms.
+n2, 268 MB read) 0.108 ms, dB (scaled) 0.140 ms; since WGRAD_TILE (H200) the four calls of a
+Qwen3-30B-A3B layer 292 us (uniform routing), 316 (Zipf), from 400 and 456.
 gmm's feature flags are GATHER, LORA, BIAS, ACCUMULATE: four, STYLE's limit (PRECISION follows the dtype
 and W_DESC the arch and the weight's layout, not variants). BIAS is a flag of its own rather than folded
 into ACCUMULATE (an epilogue mode) because GPT-OSS's gate_up and down both need it and dX may meet it; a fifth
@@ -81,9 +82,9 @@ gate_up launch (gathered, LoRA, bias) compiles to 65,536 B on sm_86/120, 98,304 
 Caution:
   - y must not alias x, xa, w, b or bias. The kernels trust offsets (sorted, offsets[E] = P) and the
     gathers (every r(p) < X): nothing on the device checks them.
-  - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows, or a run
-    of them where dw[e] is small (wgrad_split); the wide dw[e] of the other calls stay unsplit (the
-    partials' writes and sum cost more there than the tail: measured at WGRAD_SPLIT's note).
+  - gmm_wgrad's time is the busiest expert's: one program walks all of an expert's rows (or, with
+    WGRAD_SPLIT > 1, a run of them where dw[e] is small). At WGRAD_TILE's narrow tiles an expert
+    has several programs a row of dw[e] tiles, and no split measured fastest (WGRAD_TILE's note).
   - row offsets are int64; the per-step K advance BLOCK_K * stride is int32 (launcher checks it).
   - gmm's tile on the H100 (TUNED["sm_90"]) is timed: tools/gmm_tune.py, 128 x 256 x 64, 8 warps, 4
     stages won the eight cases of gpt-oss-20b and Qwen3-30B-A3B without LoRA (1.14-1.26x the tier's
@@ -329,8 +330,20 @@ TAIL = os.environ.get("LEAN_GMM_TAIL", "1") != "0"
 #   down dB   (M 2048, Kd 16)   0.178 / 0.178 / 0.205 / 0.258
 #   gate_up dB (M 1536, Kd 32)  0.088 / 0.121 / 0.157 / 0.236
 #   gate_up dA (M 32,  Kd 2048) 0.108 / 0.144 / 0.188 / 0.276
-WGRAD_SPLIT = int(os.environ.get("LEAN_WGRAD_SPLIT", "4"))  # the env: experiments (tools/bench.py kernels)
+# Since the tile below (WGRAD_TILE, 2026-11-28) one run an expert is fastest in every case measured
+# (split 4: down dA 61.1 -> 65.9 us with Zipf routing, 53.2 -> 68 uniform; the others slower still), so
+# the default is 1 and the split stays for other tiles and experiments.
+WGRAD_SPLIT = int(os.environ.get("LEAN_WGRAD_SPLIT", "1"))  # the env: experiments (tools/gmm_tune.py --wgrad)
 WGRAD_SPLIT_MAX_DW = 16384
+# gmm_wgrad's (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages) for 16-bit inputs, every tier: BLOCK_M and
+# BLOCK_K at most 64 (narrowed to the rank side), 128 rows a step, 4 warps, 3 stages (98,304 B by the
+# pipeline reckoning; arch_fit.json has the compiler's count on every target). Timed on an H200 (sm_90;
+# `python tools/gmm_tune.py --wgrad --models a3b [--zipf 0]`, 12 tiles x splits 1 / 4, Qwen3-30B-A3B's
+# four calls, P 65,536, E 128), us uniform | Zipf(0.5) routing, the tier tile before (128 x 128 cap, 64
+# rows a step, 8 warps, 4 stages; down dA split 4) -> this one: gate_up dB 74.3 -> 73.0 | 71.5 -> 71.3,
+# gate_up dA 89.3 -> 78.5 | 110.3 -> 88.0, down dB 159.2 -> 87.2 | 184.4 -> 95.3, down dA 77.7 -> 53.2 |
+# 90.2 -> 61.1 (the best of the 12 within 10% in every case). Not timed on other GPUs: chosen to fit.
+WGRAD_TILE = tuple(int(v) for v in os.environ.get("LEAN_WGRAD_TILE", "64,64,128,4,3").split(","))  # env: experiments
 _FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
 _INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
 
@@ -358,8 +371,8 @@ def _wgrad_config(M, Kd, dtype, device):
         bm = _pow2(M, 16, 2048)
         bk = _pow2(Kd, 16, max(16, 2**20 // bm))
         return bm, bk, _pow2(2**18 // max(bm, bk), 16, 256), 4, 1
-    big, _, bt, warps, stages = _FP32 if dtype == torch.float32 else TILES[arch(device).tier]
-    return _pow2(M, 16, big), _pow2(Kd, 16, big), bt, warps, stages
+    bm, bk, bt, warps, stages = (_FP32[0], _FP32[0], *_FP32[2:]) if dtype == torch.float32 else WGRAD_TILE
+    return _pow2(M, 16, bm), _pow2(Kd, 16, bk), bt, warps, stages
 
 
 def _check_unit(t, name):

@@ -5,6 +5,7 @@ torch._grouped_mm on the same rows pre-gathered, bf16, 8192 tokens.
     python tools/gmm_tune.py --models oss    # gpt-oss-20b only (a3b: Qwen3-30B-A3B)
     python tools/gmm_tune.py --configs 128,256,64,8,4 --tail 0,1 --zipf 0   # the short tail tile
                                              # off / on (grouped_gemm.TAIL), near-uniform routing
+    python tools/gmm_tune.py --rank --models a3b --zipf 0    # the rank-R gmm calls (x A^T, g Bd, dh B)
     python tools/gmm_tune.py --wgrad --models a3b --zipf 0   # gmm_wgrad's four LoRA weight gradients
                                              # at WGRAD_CANDIDATES x splits 1, 4 (and WGRAD_SPLIT)
 
@@ -47,6 +48,13 @@ CANDIDATES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first:
 ]
 
 
+# The rank-R calls' (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), BLOCK_N narrowed to R or 2R; the
+# first: what the sm_90 tile gives them today.
+RANK_CANDIDATES = [
+    (128, 256, 64, 8, 4), (128, 32, 64, 4, 4), (128, 32, 128, 4, 3), (64, 32, 128, 4, 3),
+    (64, 32, 256, 4, 2), (128, 32, 256, 4, 2), (256, 32, 64, 8, 3), (256, 32, 128, 8, 2),
+    (64, 32, 64, 4, 4), (128, 32, 128, 8, 3),
+]
 # gmm_wgrad (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages); BLOCK_M / BLOCK_K narrowed to the
 # dims as grouped_gemm._wgrad_config does. The first: the sm90 tier's.
 WGRAD_CANDIDATES = [
@@ -130,6 +138,11 @@ def cases(m, dev, zipf=None):
         ("down", act, w_d, False, None), ("down+LoRA", act, w_d, False, lora_d),
         ("dX", dh, w_gu.transpose(1, 2), False, None), ("dX+LoRA", dh, w_gu.transpose(1, 2), False, lora_dx),
         ("G", g, w_d.transpose(1, 2), True, None),
+    ], [  # the rank-R products (--rank): memory-bound reads of x, an output R or 2R wide
+        ("xa gate_up", n2, r(E, 2 * R, C, scale=C**-0.5), True, None),              # x A^T, gathered
+        ("xa down", act, r(E, R, F, scale=F**-0.5), False, None),
+        ("g Bd", g, r(E, C, R, scale=R**-0.5).transpose(1, 2), True, None),        # B stored (E, C, R)
+        ("dh B", dh, r(E, 2 * F, 2 * R, scale=(2 * R) ** -0.5).transpose(1, 2), False, None),
     ]
 
 
@@ -142,6 +155,7 @@ def main(argv=None):
     p.add_argument("--tail", default="", help="comma-separated grouped_gemm.TAIL values to run each config at "
                    "(0 off, 1 on; default: as the module has it)")
     p.add_argument("--wgrad", action="store_true", help="gmm_wgrad's cases instead (--configs: its 5-tuples)")
+    p.add_argument("--rank", action="store_true", help="the rank-R gmm calls (x A^T, g Bd, dh B) at RANK_CANDIDATES")
     a = p.parse_args(argv)
     if a.wgrad:
         print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
@@ -149,11 +163,13 @@ def main(argv=None):
     tails = [bool(int(t)) for t in a.tail.split(",")] if a.tail else [GG.TAIL]
     dev = "cuda"
     default = GG._config
-    candidates = [tuple(map(int, c.split(","))) for c in a.configs.split(";")] if a.configs else CANDIDATES
+    candidates = ([tuple(map(int, c.split(","))) for c in a.configs.split(";")] if a.configs else
+                  RANK_CANDIDATES if a.rank else CANDIDATES)
     best = []
     print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     for model in a.models.split(","):
-        offsets, order, K, todo = cases(MODELS[model], dev, a.zipf)
+        offsets, order, K, big, rank = cases(MODELS[model], dev, a.zipf)
+        todo = rank if a.rank else big
         ends = offsets[1:]
         for name, x, w, gather, lora in todo:
             if a.cases and name not in a.cases.split(","):

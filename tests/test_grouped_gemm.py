@@ -1,4 +1,4 @@
-"""lean/kernels/grouped_gemm.py (gmm, gmm_wgrad) against lean/reference/grouped_gemm.py: odd sizes,
+"""lean/kernels/grouped_gemm.py (gmm) and gmm_wgrad.py against lean/reference/grouped_gemm.py: odd sizes,
 empty experts, gathers, transposed weights, LoRA, accumulation; outputs carved out of poisoned
 buffers so that a write outside the rows (or experts) a program owns fails."""
 import pytest
@@ -6,8 +6,10 @@ import torch
 
 import lean.kernels.arch as A
 import lean.kernels.gemm as G
+import lean.kernels.gmm_wgrad as GW
 import lean.kernels.grouped_gemm as GG
-from lean.kernels.grouped_gemm import gmm, gmm_wgrad
+from lean.kernels.gmm_wgrad import gmm_wgrad
+from lean.kernels.grouped_gemm import gmm
 from lean.reference.grouped_gemm import gmm_ref, gmm_wgrad_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
 
@@ -235,11 +237,11 @@ def test_gmm_wgrad(dtype, split, ga, gb, scaled, monkeypatch):
     guards and the empty experts keep their bits. Tight even for fp16 inputs: the reference
     multiplies the same 16-bit values (and s_p * a rounded as the kernel rounds it) in fp64.
     split 3: each expert's rows in three runs of whole steps (some empty), partials summed after."""
-    monkeypatch.setattr(GG, "WGRAD_SPLIT", split)
+    monkeypatch.setattr(GW, "WGRAD_SPLIT", split)
     g = fresh_generator()
     P, E, div = 37 if split == 1 else 157, 8, 4 if ga else 2  # split: ~26 rows an expert, 2 of 3 runs used
     M, Kd = ((5, 67) if (ga + gb + scaled) % 2 else (93, 16))
-    assert GG.wgrad_split(M, Kd) == split
+    assert GW.wgrad_split(M, Kd) == split
     counts = _counts(P, E, "ends", g)
     offsets = _offsets(counts)
     X = -(-P // div)
@@ -265,7 +267,7 @@ def test_gmm_wgrad(dtype, split, ga, gb, scaled, monkeypatch):
 @pytest.mark.parametrize("P,E,layout", [(1, 1, "random"), (37, 3, "one"), (7, 8, "random")])
 def test_gmm_wgrad_edges(P, E, layout, split, monkeypatch):
     """One row, all rows on one expert, more experts than rows; bit-identical on a second run."""
-    monkeypatch.setattr(GG, "WGRAD_SPLIT", split)
+    monkeypatch.setattr(GW, "WGRAD_SPLIT", split)
     g = fresh_generator()
     offsets = _offsets(_counts(P, E, layout, g))
     a, b = randn(P, 16, g=g, dtype=LOWP), randn(P, 45, g=g, dtype=LOWP)

@@ -749,7 +749,8 @@ def _moe_wgrad_case(c, name, a, b, gather_a, gather_b, scale):
     kw = dict(gather_a=order if gather_a else None, gather_b=order if gather_b else None, gather_div=K,
               scale=scale, alpha=s)
     dw = torch.zeros(E, M, Kd, device=dev, dtype=torch.float32)
-    lean_fn = lambda: gg.gmm_wgrad(dw, a, b, offsets, **kw)  # noqa: E731
+    gw = lean_kernel("gmm_wgrad")
+    lean_fn = lambda: gw.gmm_wgrad(dw, a, b, offsets, **kw)  # noqa: E731
     ag = a[src] if gather_a else a
     if scale is not None:  # w_p a rounded to a's dtype, as the kernel does; s = 2 is exact
         vec, idx = scale

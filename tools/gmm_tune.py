@@ -33,6 +33,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lean.kernels.gmm_wgrad as GW  # noqa: E402
 import lean.kernels.grouped_gemm as GG  # noqa: E402
 from bench import zipf_experts  # noqa: E402
 from lean.kernels.moe_group import group_slots  # noqa: E402
@@ -56,7 +57,7 @@ RANK_CANDIDATES = [
     (64, 32, 64, 4, 4), (128, 32, 128, 8, 3),
 ]
 # gmm_wgrad (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages); BLOCK_M / BLOCK_K narrowed to the
-# dims as grouped_gemm._wgrad_config does. The first: the sm90 tier's.
+# dims as gmm_wgrad._wgrad_config does. The first: the sm90 tier's.
 WGRAD_CANDIDATES = [
     (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 128, 4, 3),
     (128, 128, 128, 8, 3), (128, 128, 32, 4, 4), (256, 256, 64, 8, 3), (256, 256, 64, 4, 3),
@@ -83,7 +84,7 @@ def wgrad_cases(m, dev, zipf=None):
 
 def wgrad_main(a, dev):
     """Time gmm_wgrad's cases at each candidate (and split 1 / WGRAD_SPLIT where it splits)."""
-    default_cfg, default_split = GG._wgrad_config, GG.wgrad_split
+    default_cfg, default_split = GW._wgrad_config, GW.wgrad_split
     candidates = [tuple(map(int, c.split(","))) for c in a.configs.split(";")] if a.configs else WGRAD_CANDIDATES
     pow2 = lambda n, hi: max(16, min(hi, 1 << (max(n, 1) - 1).bit_length()))  # noqa: E731
     for model in a.models.split(","):
@@ -94,8 +95,8 @@ def wgrad_main(a, dev):
             kw = dict(gather_a=order if ga else None, gather_b=order if gb else None, gather_div=K,
                       scale=slot if scaled else None, alpha=2.0)
             dw = torch.zeros(E, M, Kd, device=dev)
-            GG._wgrad_config, GG.wgrad_split = default_cfg, default_split
-            GG.gmm_wgrad(dw, x, y, offsets, **kw)
+            GW._wgrad_config, GW.wgrad_split = default_cfg, default_split
+            GW.gmm_wgrad(dw, x, y, offsets, **kw)
             ref = dw.clone()
             rows_x = x.shape[0]
             nbytes = 2 * (rows_x * M + y.shape[0] * Kd) + 8 * E * M * Kd
@@ -103,20 +104,20 @@ def wgrad_main(a, dev):
                   f"{nbytes / 1e6:.0f} MB", flush=True)
             for cfg in candidates:
                 for split in sorted({1, 4, default_split(M, Kd)}):
-                    GG._wgrad_config = lambda M_, Kd_, *_, c=cfg: (pow2(M_, c[0]), pow2(Kd_, c[1]), *c[2:])
-                    GG.wgrad_split = lambda *_, s=split: s
+                    GW._wgrad_config = lambda M_, Kd_, *_, c=cfg: (pow2(M_, c[0]), pow2(Kd_, c[1]), *c[2:])
+                    GW.wgrad_split = lambda *_, s=split: s
                     try:
                         dw.zero_()
-                        GG.gmm_wgrad(dw, x, y, offsets, **kw)
+                        GW.gmm_wgrad(dw, x, y, offsets, **kw)
                         torch.cuda.synchronize()
                     except Exception as e:  # noqa: BLE001 (a config that does not fit: reported)
                         print(f"  {cfg} split {split}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
                         continue
                     err = ((dw - ref).norm() / ref.norm()).item()
-                    ms = do_bench(lambda: GG.gmm_wgrad(dw, x, y, offsets, **kw))
+                    ms = do_bench(lambda: GW.gmm_wgrad(dw, x, y, offsets, **kw))
                     print(f"  {cfg} split {split}: {ms * 1e3:.1f} us  {nbytes / ms / 1e6:.0f} GB/s"
                           f"{'  BAD err %.2e' % err if err > 1e-3 else ''}", flush=True)
-    GG._wgrad_config, GG.wgrad_split = default_cfg, default_split
+    GW._wgrad_config, GW.wgrad_split = default_cfg, default_split
 
 
 def cases(m, dev, zipf=None):

@@ -59,7 +59,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..kernels.grouped_gemm import gmm, gmm_wgrad
+from ..kernels.gmm_wgrad import gmm_wgrad
+from ..kernels.grouped_gemm import gmm
 from ..kernels.lora_linear import linear_bwd, linear_fwd
 from ..kernels.moe_bias_dot import expert_bias_dot
 from ..kernels.moe_glu import moe_glu_bwd, moe_glu_fwd

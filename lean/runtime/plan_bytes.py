@@ -16,7 +16,7 @@ from ..kernels.adamw import adamw_partials
 from ..kernels.arch import arch
 from ..kernels.gemm import interpreting
 from ..kernels.gemm_splitk import splitk_workspace_bytes
-from ..kernels.grouped_gemm import wgrad_scratch
+from ..kernels.gmm_wgrad import wgrad_scratch
 from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.lora_grad import _GRAD, _block_r
 from ..kernels.moe_group import _group_config

@@ -57,7 +57,7 @@ RANK_CANDIDATES = [
     (64, 32, 64, 4, 4), (128, 32, 128, 8, 3),
 ]
 # gmm_wgrad (BLOCK_M, BLOCK_K, BLOCK_T, num_warps, num_stages); BLOCK_M / BLOCK_K narrowed to the
-# dims as gmm_wgrad._wgrad_config does. The first: the sm90 tier's.
+# dims as gmm_wgrad._wgrad_config does. The first: the tile before WGRAD_TILE (the sm90 tier's).
 WGRAD_CANDIDATES = [
     (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 128, 4, 3),
     (128, 128, 128, 8, 3), (128, 128, 32, 4, 4), (256, 256, 64, 8, 3), (256, 256, 64, 4, 3),

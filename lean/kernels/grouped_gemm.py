@@ -49,9 +49,9 @@ accumulation, fp32 with exact IEEE products (input_precision="ieee"), the correc
 Tested: tests/test_grouped_gemm.py: fp32 (tight) and fp16 (the tolerance rule) under the CPU
 interpreter: P 1..37, odd O / Kd, E 1, 3, 8, empty experts (first, last, middle), all rows on one
 expert, gather_div 1/2/4, transposed w, LoRA, accumulate, per-expert bias (model dtype and fp32,
-with gather, LoRA, transposed w, accumulate), guard rows and columns around y, bitwise
-repeatability, the rows the short tail tile
-takes (exactly the experts' last tiles of at most TAIL_M rows); gmm's cases again on the descriptor
+with gather, LoRA, transposed w, accumulate), guard rows and columns around y, bitwise repeatability,
+the rows the short tail tile takes (exactly the experts' last tiles of at most TAIL_M rows); gmm's
+cases again on the descriptor
 loads (forced on the CPU; row strides padded to 16 bytes, odd sizes), their tiles running into the
 neighbouring experts' rows. Its bf16 GPU test (Qwen3-30B-A3B sizes) passes on the H100. Every launch of
 those shapes, bf16 and fp32, compiles for sm_80/86/90/120 within shared memory (triton.compile with
@@ -361,7 +361,4 @@ def _loads(x, w, gathered, macs, BM, BN, BK, TM=0):
         return 0, x, w, x
     if gathered:
         return mode, x, tma_desc(w2, block), x
-    return mode, tma_desc(x, (BM, BK)), tma_desc(w2, block), tma_desc(x, (max(TM, 8), BK))
-
-
-
+    return mode, tma_desc(x, (BM, BK)), tma_desc(w2, block), tma_desc(x, (TM, BK)) if TM else x

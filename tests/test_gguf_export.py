@@ -16,6 +16,7 @@ rule, 1e-5 of the max); the Q8_0 file's differ from the source's by at most 8x t
 RMS weight error is d / sqrt(12) = max|x| / 440 per block against bf16's <= 2^-8 |x| / sqrt(3) =
 |x| / 443, and a gaussian block of 32 has max|x| / rms|x| ~ 2.5 (the measured ratio is 3-5x).
 """
+import concurrent.futures
 import json
 import os
 from pathlib import Path
@@ -434,6 +435,15 @@ def test_export_streams_by_chunks(tmp_path, monkeypatch):
         assert np.array_equal(raw, chunked[name][1]), name
 
 
+class _SettledPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose submit returns once the job has run (its result or error kept in the future)."""
+
+    def submit(self, fn, *args, **kwargs):
+        job = super().submit(fn, *args, **kwargs)
+        concurrent.futures.wait([job])
+        return job
+
+
 @pytest.mark.parametrize("mode", ["range", "fdatasync"])
 def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatch, mode):
     """With the written bytes sent on in the background every FLUSH_BYTES (sync_file_range's writeback of
@@ -452,6 +462,10 @@ def test_background_flushes_keep_the_bytes_and_their_errors(tmp_path, monkeypatc
     target, name = (X, "_WRITEBACK") if mode == "range" else (X.os, "fdatasync")
     monkeypatch.setattr(X, "FLUSH", mode)
     monkeypatch.setattr(X, "FLUSH_BYTES", 1024)
+    # The flusher skips a flush while one is in flight, so on a slow disk the count of calls would be
+    # the disk's speed. Each job here is settled before submit returns (still on the pool's thread):
+    # every FLUSH_BYTES written is then exactly one call, whatever the disk.
+    monkeypatch.setattr(X, "ThreadPoolExecutor", _SettledPool)
     monkeypatch.setattr(target, name, lambda fd, *span: calls.append(span) or real(fd, *span))
     assert export_model(model_dir, tmp_path / "b.gguf", "Q8_0", adapter_dir, progress=False).read_bytes() == whole
     assert len(calls) >= 3

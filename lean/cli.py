@@ -178,7 +178,7 @@ def merge_run(cfg, adapter_dir):
     from .runtime.loader import load_model
     from .runtime.lora import LoRA
     from .runtime.merge import merge_and_save
-    from .runtime.train import resolve_device_dtype, resolve_model
+    from .runtime.train_setup import resolve_device_dtype, resolve_model
 
     device, dtype_name, dtype = resolve_device_dtype(cfg)
     folder = resolve_model(cfg.model, dtype_name)
@@ -197,7 +197,7 @@ def merge_run(cfg, adapter_dir):
 def export_gguf(cfg, gguf_type):
     """--export-gguf: the run's merged model as --out/<run>-<TYPE>.gguf (lean/export.py)."""
     from .export import export_run
-    from .runtime.train import resolve_device_dtype
+    from .runtime.train_setup import resolve_device_dtype
 
     from .runtime.gguf import GGUFError
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     """lean-train; the exit status: 0 done, 2 an error (one line: the cause and the fix), 130 Ctrl-C,
     143 SIGTERM (one line: what is saved and what to run next)."""
     from .kernels.arch import UnsupportedGPU
-    from .runtime.checkpoint import RunLock
+    from .runtime.run_lock import RunLock
     from .runtime.dist import env_ranks
     from .runtime.interp import one_blas_thread
     from .runtime.loader import ModelLoadError
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file train() does not own (the merge's, a cache): name it
-        from .runtime.train import os_error_text
+        from .runtime.train_setup import os_error_text
         print(f"{name}: error: {os_error_text(e)}", file=sys.stderr)
         return 2
     finally:

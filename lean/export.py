@@ -64,7 +64,7 @@ def export_run(run_dir, gguf_type, out=None, *, model=None, adapter_only=False, 
     """Export a run (see the module docstring); returns the written file's path. quant / dtype: the
     run's --load-in-4bit ("nf4") and --dtype where its folder does not record them."""
     from .runtime.gguf_export import ADAPTER_TYPES, TYPES, check_type, export_adapter, export_model
-    from .runtime.train import resolve_model
+    from .runtime.train_setup import resolve_model
 
     type_name = check_type(gguf_type, ADAPTER_TYPES if adapter_only else TYPES)
     src = run_source(run_dir, model)

@@ -68,6 +68,8 @@ def _inject(P, fault, rank):
 def _forbid_writes(T):
     """A rank other than 0 must never write the run folder: its writers raise here."""
     import lean.runtime.parallel as P
+    import lean.runtime.train_loop as TL
+    from lean.runtime.lora import LoRA
 
     def forbidden(name):
         def call(*a, **k):
@@ -76,8 +78,8 @@ def _forbid_writes(T):
 
     for name in ("save_checkpoint", "Metrics", "prepare_out_dir", "RunLock"):
         setattr(T, name, forbidden(name))
-    P.save_checkpoint = forbidden("save_checkpoint")
-    T.LoRA.save = forbidden("LoRA.save")
+    P.save_checkpoint = TL.save_checkpoint = forbidden("save_checkpoint")
+    LoRA.save = forbidden("LoRA.save")
 
 
 # TrainConfig fields as lean-train's flags (spec "cli"): the ones tests/test_dist.py sets

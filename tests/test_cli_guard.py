@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import lean.runtime.train as T
+import lean.runtime.train_setup as train_setup
 from lean.cli import build_parser, main
-from lean.runtime.checkpoint import LOCK
+from lean.runtime.run_lock import LOCK
 from lean.runtime.data import split_heldout
 from lean.runtime.settings import RANGES
 from tests.hf_models import build_hf
@@ -57,7 +58,7 @@ def no_loading(monkeypatch):
     """Fails the test if a run gets as far as resolving (converting, fetching) the model."""
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the settings were checked")
-    monkeypatch.setattr(T, "resolve_model", refuse)
+    monkeypatch.setattr(train_setup, "resolve_model", refuse)
 
 
 # ---------------------------------------------------------------- one owner per run folder

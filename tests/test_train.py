@@ -19,7 +19,13 @@ import torch
 
 import lean.runtime.checkpoint as C
 import lean.runtime.train as T
+import lean.runtime.train_loop as TL
+import lean.runtime.train_setup as TS
 import lean.runtime.parallel as P
+from lean.runtime.graph import StepGraph
+from lean.runtime.loader import load_model
+from lean.runtime.lora import LoRA
+from lean.runtime.optim import AdamW
 from lean.cli import build_parser, config_from_args, main
 from lean.runtime.settings import ConfigError
 from tests.hf_models import build_hf
@@ -69,17 +75,19 @@ def _cfg(setup, out, **kw):
 
 
 def _raise_on_call(monkeypatch, name, n, exc):
-    """The loop's <name> raises exc on its n-th call (the others run): a crash at a chosen point of
-    the loop. T's names; the step's forward_backward is runtime/parallel.py's (its eager step)."""
-    module = P if name == "forward_backward" else T
-    real, calls = getattr(module, name), {"n": 0}
+    """The run's <name> raises exc on its n-th call (the others run): a crash at a chosen point of
+    the run. The names train.py, train_setup.py and train_loop.py call (one count over the three);
+    the step's forward_backward is runtime/parallel.py's (its eager step)."""
+    modules = [P] if name == "forward_backward" else [m for m in (T, TS, TL) if hasattr(m, name)]
+    real, calls = getattr(modules[0], name), {"n": 0}
 
     def wrapped(*a, **k):
         calls["n"] += 1
         if calls["n"] == n:
             raise exc
         return real(*a, **k)
-    monkeypatch.setattr(module, name, wrapped)
+    for module in modules:
+        monkeypatch.setattr(module, name, wrapped)
 
 
 OOM = T.torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -268,9 +276,9 @@ def test_resume_refuses_other_settings(full_run):
 
 
 def _lora_opt(cfg):
-    model = T.load_model(cfg.model, dtype=T.torch.float32, device="cpu")
-    lora = T.LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
-    return lora, T.AdamW(lora, lr=cfg.lr)
+    model = load_model(cfg.model, dtype=T.torch.float32, device="cpu")
+    lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
+    return lora, AdamW(lora, lr=cfg.lr)
 
 
 def test_checkpoint_is_atomic(setup, monkeypatch):
@@ -437,8 +445,8 @@ def test_vram_budget_plans_and_keeps_the_losses(setup, capsys):
 
     plain = _cfg(setup, "budget-off", steps=3, seed=11)
     T.train(plain)
-    model = T.load_model(plain.model, dtype=T.torch.float32, device="cpu")
-    lora = T.LoRA.init(model, r=plain.r, alpha=plain.alpha, targets=plain.targets, seed=plain.seed)
+    model = load_model(plain.model, dtype=T.torch.float32, device="cpu")
+    lora = LoRA.init(model, r=plain.r, alpha=plain.alpha, targets=plain.targets, seed=plain.seed)
     keep_peak = plan_for(model, lora, plain.max_tokens).memory.peak
     budget = (keep_peak + SLACK - 1) / 2**30  # one byte short of the all-keep plan (with the planner's slack)
     planned = _cfg(setup, "budget-on", steps=3, seed=11, vram_budget=budget, progress=True)
@@ -456,8 +464,8 @@ def test_default_budget_is_the_free_gpu_memory(setup, capsys):
     from lean.runtime.planner import plan_for
 
     cfg = _cfg(setup, "default-budget")
-    model = T.load_model(cfg.model, dtype=T.torch.float32, device="cpu")
-    lora = T.LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
+    model = load_model(cfg.model, dtype=T.torch.float32, device="cpu")
+    lora = LoRA.init(model, r=cfg.r, alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
     keep_peak = plan_for(model, lora, cfg.max_tokens).memory.peak
     assert T.default_plan(cfg, model, lora, free=None) is None  # the CPU: nothing to plan
     assert T.default_plan(cfg, model, lora, free=keep_peak + SLACK) is None
@@ -479,12 +487,12 @@ def test_first_line_names_the_device(setup, capsys):
 
 def _count_replays(monkeypatch, what):
     """A list that gets what(graph) at every StepGraph replay from now on."""
-    calls, replay = [], T.StepGraph.step
+    calls, replay = [], StepGraph.step
 
     def counted(self, *args, **kw):
         calls.append(what(self))
         return replay(self, *args, **kw)
-    monkeypatch.setattr(T.StepGraph, "step", counted)
+    monkeypatch.setattr(StepGraph, "step", counted)
     return calls
 
 
@@ -518,8 +526,8 @@ def test_vram_budget_replays_the_planned_step_gpu(setup, monkeypatch):
     calls = _count_replays(monkeypatch, lambda graph: graph.plan)
     kw = dict(dropout=0.0, seed=9, steps=4, lr=3e-2, targets=["q", "v", "down"])
     probe = _cfg(setup, "budget-probe", **kw)
-    model = T.load_model(probe.model, dtype=T.torch.bfloat16, device="cuda")
-    lora = T.LoRA.init(model, r=probe.r, alpha=probe.alpha, targets=probe.targets, seed=probe.seed)
+    model = load_model(probe.model, dtype=T.torch.bfloat16, device="cuda")
+    lora = LoRA.init(model, r=probe.r, alpha=probe.alpha, targets=probe.targets, seed=probe.seed)
     keep_peak = plan_for(model, lora, probe.max_tokens).memory.peak
     budget = (keep_peak + SLACK - 1) / 2**30  # one byte short of keeping everything on the GPU
     del model, lora

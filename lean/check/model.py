@@ -50,7 +50,7 @@ def resolve(spec, dtype_name):
     """Source of --model (see the module docstring). Raises CheckModelError naming what is wrong."""
     if spec in PRESETS:
         return Source(f"{spec} (preset: the real config, random weights)", dict(PRESETS[spec]))
-    from ..runtime.train import resolve_model
+    from ..runtime.train_setup import resolve_model
 
     folder = Path(resolve_model(spec, dtype_name))
     path = folder / "config.json"

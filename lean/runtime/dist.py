@@ -361,7 +361,7 @@ class StepShare(NamedTuple):
 
 
 def take_step(stream, dist, grad_accum) -> StepShare:
-    """The next step's world x grad_accum micro-batches from the global stream (runtime/train.py's
+    """The next step's world x grad_accum micro-batches from the global stream (runtime/train_loop.py's
     DataStream), this rank's share of them and, with several processes, the step's global counts
     (host only; one process reads them from its packed batches)."""
     every = [stream.next() for _ in range(dist.world * grad_accum)]

@@ -1,6 +1,6 @@
 """lean-train's steps across several processes (torchrun): what every rank runs together, so that
 all of them stay on one path. runtime/dist.py is the transport (ranks, exchanges, the gradient's
-buckets); this file is the training loop's use of it (runtime/train.py calls in here).
+buckets); this file is the training loop's use of it (runtime/train.py and train_loop.py call in here).
 
     with deferred_signals(dist):                     # a first Ctrl-C / SIGTERM waits for the next exchange
         loaded = load_agreed(cfg, ..., dist, load, setup)   # every rank loads; rank 0 reads the checkpoint first
@@ -117,7 +117,7 @@ def save_interrupted(dist, save, what, out) -> KeyboardInterrupt:
 # ---------------------------------------------------------------- loading and planning
 
 def load_agreed(cfg, device, dtype_name, dtype, dist, load, setup):
-    """load() and setup() (runtime/train.py's _load, _setup) on every rank, each agreed: rank 0
+    """load() and setup() (runtime/train_setup.py's load_run, setup_run) on every rank, each agreed: rank 0
     reads the checkpoint first (it may set checkpoint.old in place of a broken one), the others
     after; between them the plan's inputs are shared (share_plan_inputs). A sharded load's turns
     are exchanges inside "loading": a rank that failed before them meets the others at the first
@@ -211,7 +211,7 @@ def eager_step(cfg, model, lora, share, device, vocab, plan, reducer, dist):
 
 
 def evaluate_shared(model, lora, batches, show, dist):
-    """runtime/train.py's evaluate on several ranks: rank r evaluates batches r, r + world, ...;
+    """runtime/train_loop.py's evaluate on several ranks: rank r evaluates batches r, r + world, ...;
     an error on any rank stops every rank at the exchange. Sharded weights: every rank runs as many
     forward passes (a rank out of batches runs the first again, not counted), since each pass
     gathers the layers together. Returns (mean loss, targets)."""

@@ -118,7 +118,7 @@ def _compute(spec, go=None) -> dict:
     from .lora import LoRA
     from .observe import sample
     from .tokenizer import Tokenizer
-    from .train import evaluate
+    from .train_loop import evaluate
 
     one_blas_thread()
     model = load_model(spec["model_dir"], dtype=getattr(torch, spec["dtype"]), device="cpu", quant=spec.get("quant"))

@@ -51,7 +51,7 @@ def _inject(P, fault, rank):
         hit = step == fault["step"] and rank == fault["rank"] and not state.get("fired")
         if hit and fault["kind"] == "kill":
             with open(os.environ["LEAN_TEST_LOGS"] + "/killed_at", "w") as f:
-                f.write(repr(time.time()))
+                f.write(repr(time.monotonic()))
             os.kill(os.getpid(), signal.SIGKILL)
         if hit and fault["kind"] == "signal":
             state["fired"] = True  # once: a second SIGINT would act at once

@@ -201,14 +201,15 @@ def test_dist_launch_keeps_a_row_printed_before_a_hang():
     import bench_dist
 
     row = '{"framework": "lean", "tokens_per_s": 5.0}'
-    hang = [sys.executable, "-c", f"import sys, time; print('ROW {row}', flush=True); "
+    py = [sys.executable, "-I", "-S"]  # no site, no .pth files: the child prints within the 5 s however loaded
+    hang = [*py, "-c", f"import sys, time; print('ROW {row}', flush=True); "
             "print('[rank 0] closing', file=sys.stderr, flush=True); time.sleep(60)"]
     got = bench_dist._launch(hang, 5, dict(os.environ))
     assert got["status"] == "ok" and got["tokens_per_s"] == 5.0
     assert "killed at 5 s after the row" in got["note"] and "[rank 0] closing" in got["note"]
-    silent = [sys.executable, "-c", "import sys, time; print('[rank 1] timing', file=sys.stderr, flush=True); "
+    silent = [*py, "-c", "import sys, time; print('[rank 1] timing', file=sys.stderr, flush=True); "
               "time.sleep(60)"]
     got = bench_dist._launch(silent, 5, dict(os.environ))
     assert got["status"] == "failed" and "killed at 5 s" in got["note"] and "[rank 1] timing" in got["note"]
-    clean = [sys.executable, "-c", f"print('ROW {row}')"]
+    clean = [*py, "-c", f"print('ROW {row}')"]
     assert bench_dist._launch(clean, 30, dict(os.environ)) == {"framework": "lean", "tokens_per_s": 5.0, "status": "ok"}

@@ -63,7 +63,7 @@ def no_loading(monkeypatch):
 
 # ---------------------------------------------------------------- one owner per run folder
 
-def _wait_for(cond, what, proc, timeout=120):
+def _wait_for(cond, what, proc, timeout=600):  # a limit against a hang, not a speed test
     t = time.time()
     while not cond():
         if proc.poll() is not None:
@@ -83,7 +83,11 @@ def test_second_run_on_a_folder_is_refused_and_a_killed_run_resumes(tiny, tmp_pa
     a = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: (out / "metrics.jsonl").exists(), "run A opened its metrics", a)
-        b = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        a.send_signal(signal.SIGSTOP)  # A paused, its lock held: however slowly B starts, A cannot end first
+        try:
+            b = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        finally:
+            a.send_signal(signal.SIGCONT)
         assert a.poll() is None, "run A ended before run B was checked: the test proves nothing"
         assert b.returncode == 2, b.stderr[-2000:]
         assert f"is in use by another lean-train run (PID {a.pid}" in b.stderr, b.stderr
@@ -288,7 +292,7 @@ def test_sigterm_saves_a_checkpoint_and_says_so(tiny, tmp_path):
         _wait_for(lambda: (out / "metrics.jsonl").exists() and '"kind": "train"' in (out / "metrics.jsonl").read_text(),
                   "step 1", p)
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()

@@ -146,12 +146,12 @@ def run_ranks(world, cfg, fault=None, deadline=DEADLINE, ended=None, cli=False, 
                 p = subprocess.Popen([sys.executable, "-m", "tests.dist_worker", json.dumps(spec)], cwd=ROOT,
                                      stdout=out, stderr=err, env=dict(os.environ, **mine))
         procs.append(p)
-    start, done = time.time(), {}
+    start, done = time.monotonic(), {}  # monotonic: one clock with dist_worker's (Linux: system-wide)
     while len(done) < world:
         for r, p in enumerate(procs):
             if r not in done and (p.exitcode if fork else p.poll()) is not None:
-                done[r] = time.time()
-        if time.time() - start > deadline:
+                done[r] = time.monotonic()
+        if time.monotonic() - start > deadline:
             for p in procs:
                 p.kill()
             pytest.fail(f"{world} ranks still running after {deadline} s: a rank hangs")
@@ -266,11 +266,10 @@ def test_three_ranks_with_sharded_weights_equal_one_process(setup):
 
 def test_a_killed_rank_stops_the_other(setup):
     """Found by the closed connection (gloo), not by the timeout: the survivor exits naming the dead
-    rank within a minute or two of the kill, under a --dist-timeout of 900 s."""
+    rank well before the --dist-timeout of 900 s (within a few seconds here)."""
     dp = _cfg(setup, "killed", dist_timeout=900)
     ended = []
-    (rc0, _, err0), (rc1, _, _) = run_ranks(2, dp, fault={"kind": "kill", "rank": 1, "step": 2}, deadline=300,
-                                            ended=ended)
+    (rc0, _, err0), (rc1, _, _) = run_ranks(2, dp, fault={"kind": "kill", "rank": 1, "step": 2}, ended=ended)
     assert rc1 == -signal.SIGKILL and rc0 == 2, err0[-2000:]
     msg = _error_line(err0)
     assert "rank 1 (PID" in msg and "exited during" in msg, msg
@@ -278,7 +277,7 @@ def test_a_killed_rank_stops_the_other(setup):
     assert json.loads((Path(dp["out_dir"]) / "checkpoint" / "state.json").read_text())["step"] == 1
     after = ended[0] - float((Path(dp["out_dir"] + ".logs") / "killed_at").read_text())
     print(f"the survivor stopped {after:.1f} s after the kill")
-    assert 0 < after < 120, after  # its step's compute and the save; the timeout would be 900 s
+    assert 0 < after < 450, after  # its step's compute and the save; the timeout would be 900 s
 
 
 def test_nan_on_one_rank_stops_every_rank(setup):

@@ -39,7 +39,8 @@ from safetensors.torch import load_file
 
 import lean.runtime.train as T
 from lean.runtime.batch import count_tokens, pack
-from lean.runtime.dist import Dist, GradReducer, RankLost
+from lean.runtime.dist import Dist, RankLost
+from lean.runtime.grad_reduce import GradReducer
 from tests.hf_models import build_hf, tiny_config
 from tests.test_train import _records, _write_tokenizer
 from tests.util import fresh_generator

@@ -163,7 +163,7 @@ def test_planner_counts_the_host_state():
 
 
 def test_host_state_refuses_data_parallel():
-    from lean.runtime.dist import GradReducer
+    from lean.runtime.grad_reduce import GradReducer
 
     gen = fresh_generator("cpu")
     model = _model(_tiny("llama", 2), gen)

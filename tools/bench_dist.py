@@ -11,7 +11,7 @@ Weak scaling (BENCHMARKS.md's goal: >= 0.92 of N x the one-GPU tokens/s): every 
 step, so a step trains N x 8192 tokens. The one-GPU rows are bench_step's own (tools/bench_step.py,
 one process each, measured in this run); the N-GPU rows run here as one process per GPU:
   lean xN          torchrun; lean.forward_backward with the gradient's bucketed all-reduce under the
-                   backward (lean.runtime.dist.GradReducer), the loss normalised by every rank's
+                   backward (lean.runtime.grad_reduce.GradReducer), the loss normalised by every rank's
                    targets, lean.AdamW
   lean+graph xN    (--graph, after the eager row) the step with its all-reduce captured in one
                    StepGraph (the row says if the capture fell back to eager)
@@ -70,7 +70,8 @@ def lean_rank(args):
 
     import torch.distributed as dist
 
-    from lean.runtime.dist import GradReducer, start
+    from lean.runtime.dist import start
+    from lean.runtime.grad_reduce import GradReducer
     from lean.runtime.shard import shard_model
 
     t0 = time.perf_counter()

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lean  # noqa: E402
 from lean.runtime.batch import count_tokens  # noqa: E402
 from lean.runtime.data import default_dataset, load_records, pack_batches, split_heldout, tokenize_records  # noqa: E402
-from lean.runtime.dist import GradReducer, start  # noqa: E402
+from lean.runtime.dist import start  # noqa: E402
+from lean.runtime.grad_reduce import GradReducer  # noqa: E402
 from lean.runtime.tokenizer import Tokenizer  # noqa: E402
 from lean.runtime.train import lr_at, resolve_model  # noqa: E402
 

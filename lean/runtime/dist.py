@@ -1,10 +1,10 @@
-"""Data parallel over torch.distributed: the ranks, each step's share of the micro-batches, the
-bucketed gradient all-reduce, and the agreement that keeps every rank on the same path.
+"""Data parallel over torch.distributed: the ranks, each step's share of the micro-batches, and the
+agreement that keeps every rank on the same path (the bucketed gradient all-reduce: grad_reduce.py).
 
     torchrun --nproc-per-node 4 -m lean.cli --model ... --data ... --out run1     # or lean-train
     dist = start(cfg)          # world 1 (no WORLD_SIZE in the environment): a Dist that does nothing
     share = take_step(stream, dist, grad_accum)    # this rank's micro-batches, the step's global counts
-    reducer = GradReducer(lora, dist)              # the flat LoRA gradient in per-layer buckets
+    reducer = GradReducer(lora, dist)              # grad_reduce.py: the flat LoRA gradient in per-layer buckets
 
 Ranks: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). A GPU run
 uses NCCL on cuda:LOCAL_RANK, a CPU run gloo; both with the process-group timeout `dist_timeout`
@@ -24,20 +24,8 @@ the step on the host, so the global target count (the loss normalisation 1 / tar
 step) and the step's token count need no communication (batch.count_tokens). Dropout seeds are
 those of the global micro-batch index (lora.steps counts global micro-batches).
 
-The gradient (GradReducer): each rank's forward_backward adds grad_scale * its token losses'
-gradient into lora.grads with grad_scale = 1 / (global targets), so the SUM over ranks is the
-step's gradient. lora.grads is laid out layer-major (lora.py), so a run of consecutive layers is a
-contiguous slice: the buckets are layer 0 alone (the last layer the backward finishes: what cannot
-hide is small), then runs of consecutive layers going up, each closed as it reaches BUCKET_BYTES
-(the top run may be smaller). In the last micro-batch of a
-step, step._backward_layers calls layer_done(li) after layer li's backward; when li is the lowest
-layer of a bucket, its all-reduce is launched asynchronously (dist.all_reduce(async_op=True)), so
-it runs under the backward of the layers below. On a GPU, ProcessGroupNCCL runs it on its own
-communication stream, which first waits on an event of the issuing (compute) stream: exactly "wait
-for the bucket's last layer, then reduce", with no host sync; finish() makes the compute stream wait
-for every bucket before AdamW (its clipping reads the whole gradient). On the CPU gloo runs the
-same calls on its own threads. After the reduction every rank holds the same gradient bits, so the
-grad norm, the clipping, the update and the NaN check agree without more communication.
+The gradient: GradReducer (runtime/grad_reduce.py), the flat LoRA gradient all-reduced in per-layer
+buckets under the backward.
 
 Agreement (exchange, agreed): at each step boundary, before the update, the ranks exchange on the
 host (gloo, a few hundred bytes) whether their step raised; an error on any rank (an OOM, a bad
@@ -86,11 +74,8 @@ import torch.distributed as torch_dist
 
 from .batch import count_tokens
 from .checkpoint import TrainError
-from .lora import _numel
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-BUCKET_BYTES = 25 << 20  # DDP's default bucket. Qwen3-8B, r=16 on every target: 174.6 MB of fp32
-# gradient in 7 buckets by GradReducer's rule (layer 0 alone, 4.8 MB; five of 6 layers, 29.1 MB; the top 5)
 DIST_TIMEOUT = 900  # seconds a collective may wait (--dist-timeout)
 
 
@@ -368,73 +353,6 @@ def take_step(stream, dist, grad_accum) -> StepShare:
     first = dist.rank * grad_accum
     n_tokens, n_targets = count_tokens([d for batch in every for d in batch]) if dist.world > 1 else (None, None)
     return StepShare(every[first:first + grad_accum], first, len(every), n_targets, n_tokens, every)
-
-
-class GradReducer:
-    """lora.grads all-reduced (SUM) in per-layer buckets under the backward (see the module docstring).
-
-        reducer.begin()                                   # a step starts
-        forward_backward(..., reducer=reducer)            # its last micro-batch: buckets launch as layers finish
-        reducer.finish()                                  # the rest launched, every bucket waited on
-    """
-
-    def __init__(self, lora, dist, bucket_bytes=BUCKET_BYTES):
-        if lora.host_state:
-            raise ValueError("data parallel all-reduces the LoRA gradient on the GPU: the LoRA state on the host "
-                             "(host_state, --lora-state host) is for one GPU; drop one or the other")
-        self.dist = dist
-        L = len(lora.layers)
-        lo, hi = [None] * L, [None] * L  # each layer's slice of the flat buffer
-        for li, _, off, sa, sb in lora.layout:
-            end = off + _numel(sa) + _numel(sb)
-            lo[li] = off if lo[li] is None else min(lo[li], off)
-            hi[li] = end if hi[li] is None else max(hi[li], end)
-        starts, at = [], 0  # a layer without an adapter starts (and ends) where the one below ended
-        for li in range(L):
-            starts.append(at if lo[li] is None else lo[li])
-            at = at if hi[li] is None else hi[li]
-        starts.append(lora.grads.numel())
-        groups, cur, size = [[0]], [], 0  # layer 0 alone, then runs of about bucket_bytes going up
-        for li in range(1, L):
-            cur.append(li)
-            size += (starts[li + 1] - starts[li]) * lora.grads.element_size()
-            if size >= bucket_bytes:
-                groups.append(cur)
-                cur, size = [], 0
-        if cur:
-            groups.append(cur)
-        self.buckets = [(g[0], lora.grads[starts[g[0]]:starts[g[-1] + 1]]) for g in reversed(groups) if L]
-        self.order = {low: i for i, (low, _) in enumerate(self.buckets)}  # in backward order: top first
-        self.begin()
-
-    def begin(self):
-        self.launched, self.works = set(), []
-
-    def layer_done(self, li):
-        """After layer li's backward (step._backward_layers): launch the bucket li completes."""
-        b = self.order.get(li)
-        if b is not None:
-            self._launch(b)
-
-    def _launch(self, b):
-        if b in self.launched:
-            return
-        self.launched.add(b)
-        view = self.buckets[b][1]
-        if view.numel():  # the same on every rank: an empty bucket is skipped everywhere
-            with self.dist.collective("the gradient all-reduce"):
-                self.works.append(torch_dist.all_reduce(view, async_op=True))
-
-    def finish(self):
-        """Launch every bucket not launched yet (a micro-batch that raised: every rank issues the same
-        all-reduces in the same order), then wait for all (the compute stream waits on a GPU)."""
-        for b in range(len(self.buckets)):
-            if b not in self.launched:
-                self._launch(b)
-        works, self.works = self.works, []
-        with self.dist.collective("the gradient all-reduce"):
-            for w in works:
-                w.wait()
 
 
 @contextmanager

@@ -22,7 +22,7 @@ The loss is read from the graph's output after each replay (a device tensor, clo
 Equal to the eager step (lora.zero_grad(); forward_backward; opt.step()) on the same fixed-shape
 batches bit for bit: loss, LoRA gradients, parameters and moments (tests/test_graph.py, GPU).
 
-Data parallel (reducer=, a dist.GradReducer): the capture holds the gradient's bucketed all-reduce
+Data parallel (reducer=, a grad_reduce.GradReducer): the capture holds the gradient's bucketed all-reduce
 too (each bucket's NCCL all-reduce launched as its lowest layer's backward finishes, every bucket
 waited on before AdamW), so a replay is the whole data-parallel step; `step(batch, n_targets=)`
 normalises by the targets of every rank's batch. torch captures NCCL collectives issued on the

@@ -142,9 +142,9 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
 
 def _backward_layers(g, tape, plan=None, sched=None, reducer=None, ring=None):
     """Every layer's backward, last to first; g = dL/d(stream) is updated in place. reducer: a
-    dist.GradReducer told as each layer's LoRA gradient is complete (data parallel). ring: the LoRA
-    state on the host (host_state.GradRing): each layer's gradient slot zeroed before its backward,
-    summed into the norm's partials and copied to the host after it."""
+    grad_reduce.GradReducer told as each layer's LoRA gradient is complete (data parallel). ring:
+    the LoRA state on the host (host_state.GradRing): each layer's gradient slot zeroed before its
+    backward, summed into the norm's partials and copied to the host after it."""
     modes = plan.modes if plan is not None else None
     while tape.records:
         backward, saved, args = tape.records.pop()  # popping frees each layer's activations

@@ -15,7 +15,8 @@ import torch
 
 from .checkpoint import CHECKPOINT, TrainError, kept, run_state, save_checkpoint
 from .data import pack_batches
-from .dist import Dist, GradReducer, Interrupted, RankLost, RunStopped, take_step
+from .dist import Dist, Interrupted, RankLost, RunStopped, take_step
+from .grad_reduce import GradReducer
 from .graph import StepGraph
 from .observe import Progress
 from . import parallel

@@ -77,6 +77,37 @@ def test_a_config_too_large_fails():
     assert "the arch allows 101,376" in res.stdout
 
 
+PTXAS_TOOL = os.path.join(ROOT, "tools", "ptxas_report.py")
+# The kernels of a dense step whose configs the mma.sync tiers choose (the x W^T GEMMs are held by the
+# shared-memory test above and spill nowhere there); attention at head dim 256 (no preset, untuned) is left out.
+HOT = "_lora_linear_fwd_kernel,_lora_linear_bwd_kernel,_attention_fwd_kernel,_attention_bwd_dkdv_kernel,_attention_bwd_dq_kernel"
+
+
+def test_rtx_tier_keeps_spills_out_of_the_hot_loops():
+    """On sm_86 (RTX 30/40/50: mma.sync, a dot's operands in registers) the LoRA GEMMs and attention
+    at Qwen3-0.6B's shapes compile with no spill instruction inside an innermost loop, by Triton 3.6's
+    ptxas and the SASS (tools/ptxas_report.py); their sm90 tiles spilled 30-55 there."""
+    res = subprocess.run([sys.executable, PTXAS_TOOL, "--models", "qwen3-0.6b", "--target", "86", "--kernels", HOT,
+                          "--skip", "HEAD_DIM=256", "--no-loop-spills", "--workers", "2"], cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    launches = int(res.stdout.split(" distinct launches on sm_86")[0].rsplit("# ", 1)[1])
+    assert launches >= 15, res.stdout[-3000:]  # every variant of the five kernels was looked at
+
+
+def test_a_spilling_config_fails_the_loop_spill_gate():
+    """The gate's own test: the LoRA forward at the sm90 tile on sm_86 spills inside its main loop."""
+    code = ("import sys; sys.path.insert(0, 'tools'); import ptxas_report as p; import lean.kernels.lora_linear as L; "
+            "L._FWD['sm86'] = (128, 256, 32, 8, 4); sys.exit(p.main(sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", code, "--models", "qwen3-0.6b", "--target", "86", "--kernels",
+                          "_lora_linear_fwd_kernel", "--no-loop-spills", "--workers", "2"], cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "LOOP SPILLS sm_86 _lora_linear_fwd_kernel" in res.stdout and "BLOCK_N=256" in res.stdout, res.stdout[-3000:]
+
+
 def test_arch_rows():
     h100 = A.target(9, 0)
     assert (h100.tma, h100.tier, h100.smem, h100.sms) == (True, "sm90", 232_448, 132)

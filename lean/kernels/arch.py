@@ -12,8 +12,8 @@ Every kernel's config chooser asks this module, never `major >= N` and never a c
 | family (cc)                      | smem/block | SMs       | tier | path     | configs                        |
 |----------------------------------|-----------:|-----------|------|----------|--------------------------------|
 | T4, RTX 20 (7.5)                 |   65,536 B | 40-72     |  -   | refused  | Triton 3.6 lowers tl.dot to FMA (no mma) there, and there is no bf16 |
-| A100, A30 (8.0), Orin (8.7)      |  166,912 B | 108       | sm80 | portable | untuned: chosen to fit by the compiler's measure |
-| RTX 30, A10, A40 (8.6)           |  101,376 B | 16-84     | sm86 | portable | untuned: chosen to fit by the compiler's measure |
+| A100, A30 (8.0), Orin (8.7)      |  166,912 B | 108       | sm80 | portable | untuned: chosen by the compiler's measure (fit, no spill in a loop) |
+| RTX 30, A10, A40 (8.6)           |  101,376 B | 16-84     | sm86 | portable | untuned: chosen by the compiler's measure (fit, no spill in a loop) |
 | RTX 40, L4, L40S (8.9)           |  101,376 B | 24-142    | sm86 | portable | untuned (as 8.6)               |
 | H100, H200 (9.0)                 |  232,448 B | 132       | sm90 | Hopper   | tuned on an H100 (BENCHMARKS.md) |
 | B200 (10.0), GB300 (10.3)        |  232,448 B | 148       | sm90 | Hopper   | untuned: H100's tables; no B200 has run them |
@@ -56,10 +56,11 @@ class Row:
 
 ROWS = (
     Row("A100, A30, Jetson Orin", ((8, 0), (8, 7)), 166_912, 108, "sm80", False, False,
-        "untuned: tiles chosen to fit 166,912 B by the compiler's measure (tests/test_arch.py)"),
+        "untuned: tiles chosen by the compiler's measure: they fit 166,912 B and spill nowhere in a hot "
+        "loop (tests/test_arch.py, tools/ptxas_report.py)"),
     Row("RTX 30, A10, A40", ((8, 6),), 101_376, 84, "sm86", False, False,
-        "untuned: tiles chosen to fit 101,376 B by the compiler's measure; the same configs ran on an "
-        "H100 under LEAN_ARCH=8.6 (the GPU test suite)"),
+        "untuned: tiles chosen by the compiler's measure: they fit 101,376 B and spill nowhere in a hot "
+        "loop (tests/test_arch.py, tools/ptxas_report.py); LEAN_ARCH=8.6 runs them on any GPU"),
     Row("RTX 40, L4, L40S", ((8, 9),), 101_376, 76, "sm86", False, False, "untuned (as 8.6)"),
     Row("H100, H200", ((9, 0),), 232_448, 132, "sm90", True, True,
         "tuned on an H100 (Triton 3.6); LEAN_PORTABLE=1 runs the portable path there"),

@@ -89,6 +89,7 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
+from lean.kernels.arch import arch
 from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, dkdv_split, grid, interpreting
 from lean.kernels.gemm import in_tma_at_every_size, tma_desc, tma_ok
 from lean.kernels.gemm_splitk import reduce_partials
@@ -574,7 +575,7 @@ def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, *, sinks=None,
     if N == 0:
         return
     use_tma = _use_tma(tma, D, k, v)
-    BLOCK_M, BLOCK_N, warps, stages = config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     B = cu_seqlens.shape[0] - 1
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
     _attention_fwd_kernel[grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
@@ -616,7 +617,7 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, num_warps=4)
 
     use_tma = _use_tma(tma, D, q, k, v, do)
-    BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
     S = dkdv_split(H // KVH, D, window)
     part = torch.empty((2, S, N, KVH, D), dtype=torch.float32, device=dev) if S > 1 else dk  # dk, dv partials
@@ -634,7 +635,7 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         if rows is None:
             out.copy_(packed.view(N, KVH, D))
 
-    BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma)
+    BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
     _attention_bwd_dq_kernel[grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         dq, do, q, k_src, v_src, lse, delta, cu_seqlens,

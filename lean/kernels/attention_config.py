@@ -110,12 +110,23 @@ def attention_bwd_scratch(n_tokens, n_heads, n_kv_heads, head_dim, window=0):
     return 2 * s * n_tokens * n_kv_heads * head_dim * 4 if s > 1 else 0
 
 
+# The mma.sync tiers (lean/kernels/arch.py's sm80 and sm86: A100, RTX 30/40/50, DGX Spark), where
+# these kernels' dots take their operands from registers: untuned, chosen by ptxas
+# (tools/ptxas_report.py, Triton 3.6's ptxas, no GPU). dk/dv at D=128 and the table's (32, 64, 4, 2)
+# spilled 84-408 B a thread there, 1-10 spill instructions inside its key loop (sm_80, 86, 120; the
+# Qwen3 heads, split or not); at (32, 64, 8, 2) none in any loop (219-255 registers, 53,504 B). The
+# tables above stay for the H100's pointer loops (wgmma), where 8 warps ran 1.7x slower (the sweep).
+MMA_SYNC_CONFIG = {"dkdv": {128: (32, 64, 8, 2)}}
+MMA_SYNC_TIERS = ("sm80", "sm86")
+
+
 def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"  # read at launch: tests set it before use
 
 
-def config(kernel, block_d, dtype, max_seqlen, width, tma=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); width = H * D."""
+def config(kernel, block_d, dtype, max_seqlen, width, tma=False, tier=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); width = H * D; tier: the GPU's config tier
+    (arch.arch(device).tier; MMA_SYNC_CONFIG on the mma.sync tiers)."""
     if interpreting() and width >= 512:
         b = min(INTERPRET_MAX_BLOCK, max(16, triton.next_power_of_2(max_seqlen)))
         cfg = (b, b, 1, 1)
@@ -125,6 +136,8 @@ def config(kernel, block_d, dtype, max_seqlen, width, tma=False):
         cfg = FP32_CONFIG[kernel]
     elif tma:
         cfg = TMA_TABLES[kernel][block_d]
+    elif tier in MMA_SYNC_TIERS and max(64, block_d) in MMA_SYNC_CONFIG.get(kernel, {}):
+        cfg = MMA_SYNC_CONFIG[kernel][max(64, block_d)]
     else:
         cfg = TABLES[kernel][max(64, block_d)]
     q_block, k_block = cfg[:2]

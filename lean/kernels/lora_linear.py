@@ -258,17 +258,20 @@ def _lora_linear_bwd_kernel(
 #   earlier 128x256x64 s4, down 470 vs 519, Qwen3 q 72 vs 81) and within 4% or first on every
 #   backward shape (Qwen3 q 222 us vs 392 at 128x256x64 s3, down 206 vs 354, Llama gate/up 518 vs
 #   612, k/v 201 vs 325). The Hopper path's TMA kernels (lora_linear_pre.py) are unchanged.
-# sm80 (A100, 166,912 B): the sm90 tiles (102,400 B forward and backward: mma.sync keeps
-#   num_stages - 1 buffers; dropout 104,448); untuned.
-# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. The sm90 tiles need 102,400 / 104,448 B
-#   there (mma.sync keeps num_stages - 1 buffers of the x, W and A tiles; 25,600 B a stage at
-#   128x256x32), so 4 stages: 76,800 B forward and backward, 53,248 with dropout.
-_FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
-_BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 256, 32, 8, 5), "sm86": (128, 256, 32, 8, 4)}
+# sm80 (A100, 166,912 B) and sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned, chosen by ptxas
+#   (tools/ptxas_report.py, Triton 3.6's ptxas for sm_80/86/120, no GPU). mma.sync takes its
+#   operands from registers, not shared memory as wgmma does, so the sm90 tile's 128x256 fp32
+#   accumulator over 8 warps leaves too few of the 255 registers a thread: at 128x256x32 w8 the
+#   forward (xa computed in its loop) spilled 172-192 B a thread with 38-48 spill instructions
+#   inside the main loop, the backward 128-228 B with 30-55 (sm_80, 86, 120 alike). At 128x128x32
+#   w8 s4 neither spills anywhere (forward 126-128 registers, 254 with an NF4 weight; backward
+#   186-190), in 49,152-52,224 B of shared memory; 128x128x64 w8 s3 is spill-free too except the
+#   NF4 forward (20 in the loop). Kept: 128x128x32 w8 s4 (measured on no such GPU yet).
+_FWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 128, 32, 8, 4), "sm86": (128, 128, 32, 8, 4)}
+_BWD = {"sm90": (128, 256, 32, 8, 5), "sm80": (128, 128, 32, 8, 4), "sm86": (128, 128, 32, 8, 4)}
 _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm86": (128, 128, 32, 8, 4)}
-# An NF4 weight decoded in the backward kernel (nf4.py): its (BLOCK_O, BLOCK_N) byte tiles and decode
-# scratch take 104,448 B at the sm86 tiles above (3 stages too): 128 columns there (untuned; the others as _BWD).
-_BWD_NF4 = dict(_BWD, sm86=(128, 128, 32, 8, 4))
+# An NF4 weight decoded in the backward kernel (nf4.py) takes _BWD's tiles (its byte tiles and decode
+# scratch needed 104,448 B at 128 x 256 on sm86, which is why that tier was at 128 columns first).
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
 _XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
 GROUP_M = 8
@@ -280,12 +283,12 @@ def _fwd_config(N, O, dtype, at, K=0):
     return _FP32 if dtype == torch.float32 else _FWD[at.tier]
 
 
-def _bwd_config(dtype, at, dropout=0.0, N=0, K=0, O=0, nf4=False):
+def _bwd_config(dtype, at, dropout=0.0, N=0, K=0, O=0):
     if interpreting():
         return interpret_config(N, K, O)
     if dtype == torch.float32:
         return _FP32
-    return (_BWD_DROPOUT if dropout > 0.0 else _BWD_NF4 if nf4 else _BWD)[at.tier]
+    return (_BWD_DROPOUT if dropout > 0.0 else _BWD)[at.tier]
 
 
 def _precision(dtype):
@@ -434,7 +437,7 @@ def lora_linear_bwd(dx, da, db, dy, x, xa, w, a, b, scale, *, dropout=0.0, seed=
         a, b = a_pad, b_pad
 
     # Kernel 1: dx, and dy B for the da reduction (written by the first column block).
-    BM, BN, BO, warps, stages = _bwd_config(dt, arch(dev), dropout, N, K, O, nf4)
+    BM, BN, BO, warps, stages = _bwd_config(dt, arch(dev), dropout, N, K, O)
     if dyb is None:
         dyb = torch.empty((N, RP), device=dev, dtype=dt)                  # (N, RP)
     col_blocks = triton.cdiv(K, BN) if dx is not None else 1

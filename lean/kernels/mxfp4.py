@@ -31,15 +31,15 @@ gmm_mxfp4: lean/kernels/grouped_gemm.py's gmm with the weight held as MXFP4 (blo
     Flags GATHER, LORA, BIAS, PACK_K (no accumulate: no MoE GEMM on a frozen MXFP4 weight needs it).
     A w tile is read as whole bytes and scales along its packed dim ((BN, BK/2) and (BN, BK/32) with
     blocks along Kd, (BK, BN/2) and (BK, BN/32) transposed: BK / BN at least 32), decoded and
-    scaled in registers (_decode); the tiles are otherwise gmm's (its _config: timed for gmm, not for
-    this kernel), without gmm's short tail tile (grouped_gemm.TAIL).
+    scaled in registers (_decode); its own tiles (MX_TILES: gmm's spilled in the main loop), without
+    gmm's short tail tile (grouped_gemm.TAIL).
 
 Supported: any leading shape and block count (int64 offsets); contiguous tensors.
 Shared memory (triton.compile for GPUTarget on the CPU, as tools/arch_compile.py; gpt-oss-20b's
 shapes, bf16, N 8192, K 4, E 32, C = F = 2880, R 16): mxfp4_dequant 1,024 B on every tier;
-gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) at most 57,344 B on
-sm_86/89/120/121 (limit 101,376), 77,824 B on sm_80, 122,880 B on sm_90, 94,224 on sm_100: gmm's tiles fit with
-room (the byte and scale tiles are decoded in registers). tools/arch_compile.py launches them with the MoE preset.
+gmm_mxfp4 (gate_up gathered + LoRA + bias, dX transposed + LoRA) at MX_TILES at most 38,912 B on
+sm_80/86/89/120/121 (limit 101,376 B) and 94,208 B on sm_90 (the byte and scale tiles are decoded in
+registers). tools/arch_compile.py launches them with the MoE preset.
 Tested: tests/test_mxfp4.py: under the interpreter, fp32 and fp16 out, bit for bit against the
 reference on every byte at every scale and random gpt-oss-like blocks, an odd block count;
 gmm_mxfp4 (fp32, fp16) equal to gmm on mxfp4_dequant's weight, both orientations, with gather,
@@ -62,8 +62,24 @@ import triton
 import triton.language as tl
 
 from lean.kernels._check import check
-from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile
+from lean.kernels.arch import arch
+from lean.kernels.gemm import FLOATS, GROUP_M, grouped_tile, interpreting
 from lean.kernels.grouped_gemm import MAX_E, _config, _expert_of_tile, _lora_first, _offsets, _pow2, _rows
+
+# gmm_mxfp4's own tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), 16-bit x, by arch tier:
+# the decode's integers and the byte tiles take registers gmm's do not. At gmm's tiles (128 x 256 x 64
+# w8 on sm_90, 128 x 128 x 64 w8 s3 on sm86) ptxas spilled 60-152 B a thread with 16-45 spill
+# instructions inside the main loop (tools/ptxas_report.py; gpt-oss-20b's GEMMs, sm_80/86/90); at
+# these, none anywhere (155-176 registers; 94,208 B on sm_90, 32,768-38,912 B on sm_80/86). The
+# 0.25-0.31x of gmm measured earlier was at 128 x 128 on the H100; these are untimed.
+MX_TILES = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 32, 8, 4), "sm86": (128, 128, 32, 8, 4)}
+
+
+def _mx_config(rows, O, Kd, dtype, device):
+    if interpreting() or dtype == torch.float32:  # gmm's (the interpreter's and fp32's tiles)
+        return _config(rows, O, Kd, dtype, device)
+    bm, bn, bk, warps, stages = MX_TILES[arch(device).tier]
+    return bm, _pow2(O, 16, bn), bk, warps, stages
 
 _OUT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -224,7 +240,7 @@ def gmm_mxfp4(y, x, blocks, scales, offsets, *, transpose=False, gather=None, ga
         check(bias, "bias", shape=(E, O), dtype=(x.dtype, torch.float32), device=dev, last_contiguous=True)
     if P == 0 or O == 0:
         return
-    BM, BN, BK, warps, stages = _config(triton.cdiv(P, E), O, Kd, x.dtype, dev)
+    BM, BN, BK, warps, stages = _mx_config(triton.cdiv(P, E), O, Kd, x.dtype, dev)
     BN, BK = max(BN, 32), max(BK, 32)  # whole 32-value blocks along the packed dim of a tile
     if BK * x.stride(1) >= 2**31:
         raise ValueError("gmm_mxfp4: K-stride too large for int32 pointer steps (call .contiguous())")

@@ -146,3 +146,21 @@ def test_activation_plan_table_matches_what_moe_layers_save(tmp_path):
                         visit(u)
             visit(saved)
             assert sum(seen.values()) == layer_bytes(model.config, 7, 4, lora.r, lora.targets, layer=li), (targets, li)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's limit: a CPU test")
+def test_a_bfloat16_model_on_the_cpu_is_refused_not_wrong():
+    """The interpreter multiplies bf16 bit patterns in tl.dot: a bf16 model on the CPU gave a loss of
+    ~3e11 (float32: 178) without an error. Every entry point that computes refuses it, naming the fix."""
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model
+    from lean.runtime.generate import generate
+    from tests.hf_models import tiny_config
+
+    model = empty_model(config_from_hf(tiny_config("llama").to_dict()), torch.bfloat16, "cpu")
+    batch = lean.pack([[1, 2, 3, 4]], max_tokens=8)
+    calls = (lambda: lean.forward_backward(model, None, batch), lambda: lean.loss_eval(model, None, batch),
+             lambda: lean.forward(model, None, batch), lambda: generate(model, None, [1, 2], max_new_tokens=2))
+    for call in calls:
+        with pytest.raises(ValueError, match="bfloat16 model on the CPU.*dtype=torch.float32"):
+            call()

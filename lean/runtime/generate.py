@@ -30,6 +30,7 @@ from ..kernels.swiglu import swiglu_fwd
 from ..models.dense import Ctx, _attn_options, proj_fwd
 from ..models.moe import moe_forward
 from .head_host import lm_head_logits
+from .step import check_compute_dtype
 
 
 def _rope_rows(model, n_rows):
@@ -112,6 +113,7 @@ def generate(model, lora, prompt_ids, max_new_tokens=32, stop_ids=(), on_logits=
     called for every step (tests compare them with a cache-free forward)."""
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (give at least one token, e.g. the BOS token)")
+    check_compute_dtype(model)
     cfg, dev = model.config, model.device
     bad = [i for i in prompt_ids if not 0 <= int(i) < cfg.vocab]
     if bad:

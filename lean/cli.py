@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", action="store_true", help="continue from --out/checkpoint (a finished run: nothing to train; "
       "with --merge, merge it)")
     a("--overwrite", action="store_true", help="start over in an --out that holds an earlier run (deletes "
-      "its checkpoint, metrics and adapter); without it lean-train refuses such a folder")
+      "its checkpoint, metrics, adapter, merged model and GGUF exports); without it lean-train refuses such a folder")
     a("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu "
       "(bfloat16 needs a GPU)")
     a("--device", help="cuda, cuda:N or cpu (default: cuda if available)")

@@ -241,10 +241,15 @@ def test_fresh_run_refuses_an_earlier_runs_folder(setup):
                        "pass --resume to continue it, pass --overwrite"):
         T.train(cfg)
     (T.Path(cfg.out_dir) / "checkpoint.tmp-999999").mkdir()  # a save killed mid-write
+    exports = ["again-Q8_0.gguf", "again-Q8_0.Modelfile", "again-lora-F16.gguf", "again-lora-F16.Modelfile"]
+    for name in exports + ["notes.gguf", "again-draft.txt"]:  # the earlier run's exports (export.py's names)
+        (T.Path(cfg.out_dir) / name).write_text("x")
     cfg.overwrite, cfg.steps, cfg.save_every = True, 2, 0
     T.train(cfg)
     assert sorted(_metrics(T.Path(cfg.out_dir), "train")) == [1, 2]  # the earlier run's lines are gone
     assert not list(T.Path(cfg.out_dir).glob("checkpoint*"))  # its checkpoint too; the temp folder
+    assert not any((T.Path(cfg.out_dir) / n).exists() for n in exports)  # its GGUF files: the old model
+    assert (T.Path(cfg.out_dir) / "notes.gguf").exists() and (T.Path(cfg.out_dir) / "again-draft.txt").exists()
     cfg.overwrite = False  # metrics but no checkpoint: --resume is not offered, and says --overwrite
     with pytest.raises(T.TrainError, match="holds an earlier run \\(metrics.jsonl, adapter.*\\): pass --overwrite"):
         T.train(cfg)

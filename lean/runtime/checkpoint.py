@@ -24,6 +24,7 @@ Tested: tests/test_train.py (atomic, flushed, unreadable, fallback, the folder g
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -62,6 +63,13 @@ RUN_FILES = (CHECKPOINT, f"{CHECKPOINT}.old", f"{CHECKPOINT}.bad", METRICS, "ada
 LOGS = (METRICS, "tb")  # all a run leaves when it stops before its first step
 
 
+def run_exports(out) -> list:
+    """The GGUF files and Ollama Modelfiles a run's exports wrote into it (lean/export.py's names:
+    <run>-<TYPE>.gguf, <run>-lora-<TYPE>.gguf, each with its .Modelfile): the earlier run's model."""
+    pattern = re.compile(re.escape(out.resolve().name) + r"-(lora-)?[A-Z0-9_]+\.(gguf|Modelfile)")
+    return sorted(p for p in out.iterdir() if p.is_file() and pattern.fullmatch(p.name)) if out.is_dir() else []
+
+
 def _trained(out) -> bool:
     """out_dir holds a run that trained: a checkpoint, or metrics with a train record."""
     if any((out / n).exists() for n in (CHECKPOINT, f"{CHECKPOINT}.old")):
@@ -86,7 +94,7 @@ def earlier_run(cfg, world=1) -> list:
     if not out.is_dir():
         return []
     if _trained(out):
-        found = [out / n for n in RUN_FILES if (out / n).exists()]
+        found = [out / n for n in RUN_FILES if (out / n).exists()] + run_exports(out)
         if not cfg.overwrite:
             cont = "pass --resume to continue it, " if any((out / n / "state.json").is_file() for n in RUN_FILES[:2]) else ""
             raise TrainError(f"{out} holds an earlier run ({', '.join(p.name for p in found)}): {cont}pass "

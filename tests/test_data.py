@@ -5,6 +5,7 @@ import json
 import random
 import shutil
 import string
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,7 @@ def test_chatterbot_corpus_loads():
     ("noout.jsonl", '{"instruction": "a"}', r"noout.jsonl:1: an instruction record needs 'output'"),
     ("notstr.yaml", "- text: 12\n", r"notstr.yaml\[0\]: 'text' must be a string.*quote it"),
     ("bad.json", '[\n{"text": "a"},\n{"text" "b"}\n]', r"bad.json:3: malformed JSON"),
+    ("ctrl.jsonl", '{"text": "a\tb"}\n', r"ctrl.jsonl:1: malformed JSON \(Invalid control character at column 12\)"),
     ("shape.json", '{"rows": []}', r"shape.json: expected a list of records.*\['rows'\]"),
     ("data.csv", "text\na\n", r"data.csv: unknown data file extension '.csv'.*\.jsonl"),
     ("sharegpt.json", '{"conversations": [[{"from": "human", "value": "a"}]]}',
@@ -293,8 +295,12 @@ def test_text_windows_and_truncation(tok, rng):
     long = Record("chat", "mem:2", messages=({"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": _words(rng, 80)}))
     stats = {}
-    (ids, mask), = data.tokenize_records([long], tok, max_len=48, stats=stats)
+    with pytest.warns(DataWarning, match="1 of 1 records were cut at 48 tokens .* raise --max-tokens"):
+        (ids, mask), = data.tokenize_records([long], tok, max_len=48, stats=stats)
     assert len(ids) == 48 and mask[-1] and stats["truncated"] == 1 and stats["dropped"] == 0
+    with warnings.catch_warnings():  # a chat that fits says nothing
+        warnings.simplefilter("error")
+        data.tokenize_records([long], tok, max_len=4096)
 
 
 def test_zero_targets_raises_naming_file(tok, tmp_path):

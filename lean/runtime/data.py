@@ -36,6 +36,7 @@ Tested: tests/test_data.py (every format and error, the chatterbot corpus, the S
 by token, packing budget, determinism and optimality).
 """
 import bisect
+import warnings
 
 import numpy as np
 
@@ -81,6 +82,10 @@ def tokenize_records(records, tok, *, max_len: int, stats: dict = None) -> list:
         stats.update(counts)
     if not docs:
         raise DataError(_no_target_message(records, max_len, counts))
+    if counts["truncated"] or counts["dropped"]:  # lean-train prints it as one line (cli.py)
+        warnings.warn(f"{counts['truncated']} of {counts['records']} records were cut at {max_len} tokens "
+                      f"(--max-tokens) and {counts['dropped']} documents were left with no target token and "
+                      "dropped: raise --max-tokens to keep them whole", DataWarning, stacklevel=2)
     return docs
 
 

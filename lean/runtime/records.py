@@ -130,7 +130,7 @@ def _read_jsonl(f: Path) -> list:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{lineno}: malformed JSON ({e.msg} at column {e.colno}): "
+                raise DataError(f"{f}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno}): "
                                 "write one complete JSON object per line") from e
             records.extend(_parse_record(obj, f"{f}:{lineno}"))
     return records
@@ -140,7 +140,7 @@ def _load_json(f: Path):
     try:
         return json.loads(_text(f))
     except json.JSONDecodeError as e:
-        raise DataError(f"{f}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}): fix the "
+        raise DataError(f"{f}:{e.lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno}): fix the "
                         "file (a JSON list of records, or use .jsonl for one record per line)") from e
 
 

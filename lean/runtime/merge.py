@@ -7,8 +7,9 @@ Experts held in MXFP4 (GPT-OSS's hub checkpoints) are dequantised and written in
 (bf16 by default) under the bf16 checkpoint's names, and config.json loses its quantization_config:
 a merged MXFP4 model is a bf16 model (about 3x the experts' bytes), as PEFT's merge makes it.
 
-The product runs through lean's matmul kernel in fp32 (the master A and B, W upcast), then each
-tensor is cast to `dtype` and written under its HF name. config.json and the tokenizer files are
+The product runs in fp32 (the master A and B, W upcast) through lean's matmul kernel on a GPU and
+numpy on the host (as gguf_source.py's; the interpreter would take minutes), then each tensor is
+cast to `dtype` and written under its HF name. config.json and the tokenizer files are
 copied from the model's folder, config.json with its dtype set to the merge's (what transformers
 5 loads the folder in by default). The folder is written as out_dir.tmp-<pid> and renamed into
 place, so a crash never leaves a half-written merge under the final name; an existing out_dir is
@@ -50,7 +51,10 @@ def merged_tensors(model, lora, dtype):
             swap = w.dim() == 3 and model.config.expert_bias  # GPT-OSS stores W_e (in, out): += scale (B A)^T
             a_, b_ = ad.a.to(w.device), ad.b.to(w.device)  # host state: copies on the GPU
             for we, b, a in zip(*((w32, b_, a_) if w.dim() == 3 else ([w32], [b_], [a_]))):
-                if swap:
+                if w.device.type == "cpu":  # the host: numpy's fp32 product, as gguf_source.py's (the
+                    b, a = b.float().numpy(), a.float().numpy()  # interpreter ran a 135M merge in 12 min)
+                    we.numpy()[...] += scale * ((b @ a).T if swap else b @ a)
+                elif swap:
                     matmul(we, a.t(), b.t(), accumulate=True, alpha=scale)
                 else:
                     matmul(we, b, a, accumulate=True, alpha=scale)  # W += scale * B A (per expert)

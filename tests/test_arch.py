@@ -8,6 +8,9 @@ within the arch table's limit. Launches whose Triton compile key is in tests/arc
 the shared size recorded there (the memo: the same key means Triton would reuse the same binary),
 except a few drawn at random each run, which are compiled again and must agree; every other
 launch is compiled. test_a_config_too_large_fails is the test of that test.
+test_rtx_tier_keeps_spills_out_of_the_hot_loops: on sm_86 the LoRA GEMMs and attention compile with
+no spill instruction inside a loop (tools/ptxas_report.py); test_a_spilling_config_fails_the_loop_
+spill_gate is its test.
 """
 import dataclasses
 import importlib

@@ -67,6 +67,9 @@ def test_check_refuses_an_unsupported_gpu_and_a_missing_model(monkeypatch, capsy
     assert "not supported: compute capability 7.5" in capsys.readouterr().out
     assert C.main(SMALL + ["--model", "/no/such/model/folder"]) == 2
     assert "does not exist" in capsys.readouterr().out
+    assert C.main(SMALL + ["--model", "qwen3-06b"]) == 2  # a preset's name mistyped: the presets listed
+    assert "--model qwen3-06b: not a model folder, a .gguf file, a hub id (org/name) or a preset (" in \
+        capsys.readouterr().out
 
 
 def test_the_step_never_imports_the_references():

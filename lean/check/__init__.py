@@ -144,7 +144,8 @@ def _device(out, args, cuda):
         out("lean-check: FAIL (an unsupported GPU)")
         return False
     if not cuda:
-        out("path     the Triton interpreter: float32 (its bf16 tl.dot is wrong), small sizes, no speed")
+        out("path     the Triton interpreter: float32 (its bf16 tl.dot is wrong), small sizes, no speed"
+            + ("; --portable has no effect here (one path on the CPU)" if args.portable else ""))
         return True
     out(f"arch     {a.row.name if a.row else a.name}: {a.row.how if a.row else ''}"
         + (" (--portable)" if args.portable else ""))

@@ -50,6 +50,9 @@ def resolve(spec, dtype_name):
     """Source of --model (see the module docstring). Raises CheckModelError naming what is wrong."""
     if spec in PRESETS:
         return Source(f"{spec} (preset: the real config, random weights)", dict(PRESETS[spec]))
+    if "/" not in spec and not Path(spec).expanduser().exists():  # no folder, no file, no org/name hub id
+        raise CheckModelError(f"--model {spec}: not a model folder, a .gguf file, a hub id (org/name) or a "
+                              f"preset ({', '.join(PRESETS)})")
     from ..runtime.train_setup import resolve_model
 
     folder = Path(resolve_model(spec, dtype_name))

@@ -278,7 +278,8 @@ def main(argv=None) -> int:
         return 0
     loss = "none trained now" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
     held = "" if metrics["eval_loss"] is None else f", held-out {metrics['eval_loss']:.4f}"
-    print(f"lean-train: done: step {metrics['step']}, loss {loss}{held}, adapter in {metrics['adapter']}")
+    nxt = "" if exported is not None else f" (next: lean-export {cfg.out_dir} --gguf Q4_K_M, for llama.cpp and Ollama)"
+    print(f"lean-train: done: step {metrics['step']}, loss {loss}{held}, adapter in {metrics['adapter']}{nxt}")
     return 0
 
 

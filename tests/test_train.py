@@ -414,7 +414,8 @@ def test_cli_parses_and_runs(setup, capsys):
                "--max-tokens", "64", "--r", "2", "--targets", "q", "--save-every", "0", "--quiet",
                "--device", "cpu", "--merge", "--sample-tokens", "0", "--heldout", "0"])
     assert rc == 0, capsys.readouterr().err
-    assert "done: step 2" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "done: step 2" in said and f"(next: lean-export {out} --gguf Q4_K_M" in said, said  # what to run next
     assert sorted(_metrics(out, "train")) == [1, 2]
     assert (out / "merged" / "model.safetensors").exists() and (out / "merged" / "tokenizer.json").exists()
     assert main(["--model", str(root / "missing"), "--data", str(data), "--out", str(root / "cli-missing")]) == 2

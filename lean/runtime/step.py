@@ -23,11 +23,11 @@ Sharded weights (runtime/shard.py): every pass asks the scheduler for a layer's 
 before its forward and again before its backward.
 """
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+from ..kernels.arch import interpreting
 from ..kernels.embedding import embedding_fwd
 from ..kernels.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from ..kernels.rope import rope_inv_freq, rope_table
@@ -93,7 +93,7 @@ def check_compute_dtype(model):
     """A bfloat16 model on the CPU is refused: Triton's interpreter multiplies bf16 bit patterns in
     tl.dot (triton issue 11584), so every result would be wrong without an error. (lean-train's
     settings refuse --dtype bfloat16 there too; a bf16 model may still be loaded on the CPU and moved.)"""
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and interpreting():
         raise ValueError("a bfloat16 model on the CPU: Triton's interpreter does not compute bfloat16 right; "
                          "load it with dtype=torch.float32 (or float16) on the CPU, or run on a CUDA GPU")
 

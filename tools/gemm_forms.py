@@ -10,6 +10,9 @@ Forms (pointer loads only: the code an RTX / A100 card runs; on an H100 the dots
              program's epilogue runs beside the other's main loop
   tile       one program per tile on dot_tile_kmajor (the hardware schedules as many as fit)
   persist2nk persist2 with w's tile loaded (BLOCK_N, BLOCK_K) as it lies and transposed in the dot
+  pflat      one program per SM over one flat loop of (tile, K step) pairs, the epilogue under an `if`
+             at each tile's last step: the software pipeliner then loads the next tile's first K
+             steps while this tile's last ones and its epilogue run (no fill and drain per tile)
 dy W rows (gemm._matmul_kernel, one program per tile) run the same configs.
 A config that does not compile or fit prints its error and is skipped. Standalone: imports lean's
 jit helpers, nothing else of lean runs.
@@ -29,7 +32,7 @@ from gemm_tune import N_TOKENS, SHAPES, relerr  # noqa: E402  (the nine shapes, 
 
 CONFIGS = ["128x256x64w8s4", "128x256x64w8s3", "256x128x64w8s3", "128x128x64w4s3", "128x128x64w8s3",
            "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4"]
-FORMS = ["persist1", "persist2", "tile", "persist2nk"]
+FORMS = ["persist1", "persist2", "tile", "persist2nk", "pflat"]
 
 
 def parse(cfg):
@@ -71,6 +74,40 @@ def _persist_nk_kernel(c_ptr, a_ptr, b_ptr, M, N, K, stride_am, stride_bn, strid
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _persist_flat_kernel(c_ptr, a_ptr, b_ptr, M, N, K, stride_am, stride_bn, stride_cm, n_programs,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    start = tl.program_id(0)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K                                                 # K % BLOCK_K == 0 here
+    my_tiles = (tiles - start + n_programs - 1) // n_programs
+    rk = tl.arange(0, BLOCK_K)
+    tile = start - n_programs
+    ki = -1
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(k_tiles * my_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += n_programs
+            pid_m, pid_n = G.grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            a_rows = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am
+            b_cols = b_ptr + (rn % N).to(tl.int64)[None, :] * stride_bn
+        kk = ki * BLOCK_K + rk
+        a = tl.load(a_rows + kk[None, :])
+        b = tl.load(b_cols + kk[:, None])
+        acc = tl.dot(a, b, acc)
+        if ki == k_tiles - 1:
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
 def launch(form, cfg, c, a, w, sms):
     """c = a @ w^T in `form` at config cfg; a (M, K), w (N, K) row-major."""
     bm, bn, bk, warps, stages = parse(cfg)
@@ -89,6 +126,10 @@ def launch(form, cfg, c, a, w, sms):
         n = min(tiles, sms * 2)
         _persist_nk_kernel[(n,)](c, a, w, M, N, K, a.stride(0), w.stride(0), c.stride(0), n,
                                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    elif form == "pflat":
+        n = min(tiles, sms)
+        _persist_flat_kernel[(n,)](c, a, w.t(), M, N, K, a.stride(0), w.stride(0), c.stride(0), n,
+                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     elif form == "dyW":   # c (M, K) = a (M, N) @ w (N, K): the per-tile pointer kernel, b row-major
         M, Nn = a.shape
         Kk = w.shape[1]

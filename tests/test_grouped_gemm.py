@@ -226,6 +226,23 @@ def test_gmm_short_tail_tiles_cover_exactly_the_short_tails(monkeypatch):
     assert_close_rule(y, ref * scale, name="y")
 
 
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0), (8, 6), (12, 0)])
+def test_gmm_narrow_outputs_take_four_warps(cc, monkeypatch):
+    """The rank-R calls (O <= 64: xa = x A^T, g B, dh B) take 4 warps on every tier, BLOCK_N narrowed
+    to O; the wide calls keep the tier's own warps; LEAN_GMM_NARROW=0's setting gives the narrow
+    calls the tier's warps back."""
+    monkeypatch.setattr(GG, "interpreting", lambda: False)
+    with A.forced(A.target(*cc)):
+        dev = torch.device(DEVICE)
+        wide = GG._config(512, 1536, 2048, torch.bfloat16, dev)
+        for O, bn in ((16, 16), (32, 32), (64, 64)):
+            bm, got_bn, bk, warps, stages = GG._config(512, O, 768, torch.bfloat16, dev)
+            assert (bm, got_bn, bk, warps, stages) == (wide[0], bn, wide[2], 4, wide[4])
+        assert GG._config(512, 128, 768, torch.bfloat16, dev)[3] == wide[3] == 8
+        monkeypatch.setattr(GG, "NARROW_WARPS", 0)
+        assert GG._config(512, 16, 768, torch.bfloat16, dev)[3] == wide[3]
+
+
 # every gather_a / gather_b / scale combination; (M, Kd) alternate between (R, wide) and (wide, R)
 WGRAD_CASES = [(ga, gb, sc) for ga in (False, True) for gb in (False, True) for sc in (False, True)]
 

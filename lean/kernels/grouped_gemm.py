@@ -253,6 +253,13 @@ TUNED = {"sm_90": (128, 256, 64, 8, 4)}
 # one call: Qwen3-30B-A3B packed 114,049 -> 114,798, padded 112,081 -> 113,977; gpt-oss-20b packed
 # 67,142 -> 67,585 (BENCHMARKS.md). The env switch: before/after experiments.
 TAIL = os.environ.get("LEAN_GMM_TAIL", "1") != "0"
+# Narrow outputs (O <= 64: the LoRA's rank-R calls xa = x A^T, g B, dh B) take 4 warps: 8 warps on a
+# 128 x 16 tile leave each warp a sliver. H200, bf16, Qwen3-30B-A3B, uniform routing (tools/gmm_tune.py
+# --rank --models a3b --zipf 0), ms at w8 -> w4 (the tier's 128 x 64 s4 tile, BLOCK_N narrowed to O):
+# xa down (O 16, Kd 768) 0.125 -> 0.039, xa gate_up (O 32) 0.059 -> 0.058, g Bd 0.049 -> 0.048, dh B
+# 0.069 -> 0.069; the best of 10 candidates in any case within 6% of w4's. Untimed on the other
+# tiers (the same rule). The env switch: before/after experiments.
+NARROW_WARPS = 4 if os.environ.get("LEAN_GMM_NARROW", "1") != "0" else 0
 _FP32 = (64, 64, 32, 4, 3)        # fp32: exact CUDA-core products, correctness path (49,152 B at s3)
 _INTERPRET = (16, 32, 32, 4, 1)   # interpreter, test shapes: several tiles per expert and per dim
 
@@ -269,6 +276,8 @@ def _config(rows, O, Kd, dtype, device):
     real, _, emulated = a.name.partition(" as ")  # LEAN_ARCH: "sm_90 as sm_86" chooses as sm_86 would
     tuned = TUNED.get(real) if emulated in ("", real) else None
     bm, bn, bk, warps, stages = _FP32 if dtype == torch.float32 else tuned or TILES[a.tier]
+    if O <= 64 and NARROW_WARPS and dtype != torch.float32:
+        warps = NARROW_WARPS
     return bm, _pow2(O, 16, bn), bk, warps, stages
 
 

@@ -50,7 +50,7 @@ CANDIDATES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first:
 
 
 # The rank-R calls' (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), BLOCK_N narrowed to R or 2R; the
-# first: what the sm_90 tile gives them today.
+# first: what the sm_90 tile gave them before grouped_gemm.NARROW_WARPS (8 warps; now 4).
 RANK_CANDIDATES = [
     (128, 256, 64, 8, 4), (128, 32, 64, 4, 4), (128, 32, 128, 4, 3), (64, 32, 128, 4, 3),
     (64, 32, 256, 4, 2), (128, 32, 256, 4, 2), (256, 32, 64, 8, 3), (256, 32, 128, 8, 2),

@@ -31,7 +31,10 @@ import lean.kernels.gemm as G  # noqa: E402
 from gemm_tune import N_TOKENS, SHAPES, relerr  # noqa: E402  (the nine shapes, one list)
 
 CONFIGS = ["128x256x64w8s4", "128x256x64w8s3", "256x128x64w8s3", "128x128x64w4s3", "128x128x64w8s3",
-           "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4"]
+           "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4",
+           # BLOCK_K 128 at three stages (196,608 B on sm_90): half the CTA barriers per K of the
+           # 64-wide steps (the pointer loop syncs the CTA twice a step; BENCHMARKS.md), untimed
+           "128x128x128w8s3", "128x128x128w4s3"]
 FORMS = ["persist1", "persist2", "tile", "persist2nk", "pflat"]
 
 

@@ -16,6 +16,11 @@ Rows per (K, O) projection shape, forward (y = x W^T + s xa B^T, xa = x A^T) and
               K loop, 4 warps (Triton 3.6 compiles Hopper warp specialisation only at 4 warps and
               only without 2-D pointer loads in the epilogue; this variant hung compiling on the
               H100 once: leave it out with --variants)
+--lowrank: instead, the rank-R pre-pass alone (lora_linear_pre._lowrank: lora_xa, lora_xa_shared,
+lora_dyb) at each of LOWRANK_CANDIDATES (monkeypatched over _LOWRANK), for u widths 1024..8192 and
+one to three outputs sharing the read (q,k,v; gate,up), GB/s of the read of u and the writes; the
+best per case ends the table. The pre-pass runs at ~64% of copy bandwidth in the H200 step profile
+(Qwen3-0.6B: 308 calls, 10.3 us each, 4.6% of the step).
 (The earlier fused form, with the rank-R product inside the main loop, is gone from lean: it
 measured 0.73-0.81x cuBLAS forward, 0.74-0.85x backward, against "pre"'s 0.82-0.95x / 0.76-1.02x.)
 Times: "eager" = triton.testing.do_bench median (L2 flushed between calls; includes Python launch
@@ -192,8 +197,54 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
                 + (f"  (torch tol {tol[op]:.1e})" if name == "cuBLAS" else ""))
 
 
+# (BLOCK_M, BLOCK_K, num_warps, num_stages); the first is lora_linear_pre._LOWRANK (BLOCK_M still
+# halves where the rows give fewer programs than ~7/8 of the SMs, as _lowrank does).
+LOWRANK_CANDIDATES = [(64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4), (64, 64, 4, 6),
+                      (64, 256, 8, 3), (32, 128, 8, 4), (16, 128, 4, 6), (32, 64, 4, 8)]
+LOWRANK_WIDTHS = [1024, 2048, 3072, 4096, 8192]
+
+
+def lowrank_rows(N, dev, bench, log, smoke):
+    """The pre-pass alone at each candidate config: one to three (N, R) outputs from one read of u."""
+    lp = torch.float16 if dev == "cpu" else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    widths = [96, 160] if smoke else LOWRANK_WIDTHS
+    cands = LOWRANK_CANDIDATES[:2] if smoke else LOWRANK_CANDIDATES
+    best, default = {}, LT._LOWRANK
+    try:
+        for K in widths:
+            u = torch.randn(N, K, generator=g, device=dev).to(lp)
+            vs = [(torch.randn(RANK, K, generator=g, device=dev) * K ** -0.5).to(lp) for _ in range(3)]
+            refs = [u.float() @ v.float().t() for v in vs]
+            for nv in (1, 2, 3):
+                outs = [torch.empty(N, RANK, device=dev, dtype=lp) for _ in range(nv)]
+                fn = lambda: LT._lowrank(outs[0], u, vs[0].t(), more=[(o, v.t()) for o, v in zip(outs[1:], vs[1:])])  # noqa: E731,B023
+                for cfg in cands:
+                    LT._LOWRANK = cfg
+                    try:
+                        for o in outs:
+                            o.fill_(float("nan"))
+                        fn()
+                        err = max(rel(o, r) for o, r in zip(outs, refs))
+                        eager, graph = bench(fn)
+                    except Exception as e:  # noqa: BLE001 - a config that fails is reported, the table goes on
+                        log(f"{K:6d} nv {nv} {str(cfg):20s} FAILED {type(e).__name__}")
+                        continue
+                    t = eager if graph != graph else graph
+                    gbs = (u.numel() + nv * N * RANK) * u.element_size() / (t * 1e-3) / 1e9
+                    log(f"{K:6d} nv {nv} {str(cfg):20s} {graph * 1e3:9.1f} us {gbs:7.0f} GB/s  err {err:.1e}")
+                    if err < 2e-2 and gbs > best.get((K, nv), (0,))[0]:
+                        best[(K, nv)] = (gbs, cfg, t)
+    finally:
+        LT._LOWRANK = default
+    log("best per case (GB/s, config):")
+    for (K, nv), (gbs, cfg, t) in best.items():
+        log(f"{K:6d} nv {nv}  {gbs:7.0f} GB/s  {cfg}  {t * 1e3:.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lowrank", action="store_true", help="the rank-R pre-pass alone at LOWRANK_CANDIDATES")
     ap.add_argument("--only", default="", help="comma-separated KxO shapes, e.g. 2048x2048,4096x12288")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes, one call per variant")
     ap.add_argument("--variants", default="", help="comma-separated variant names (default: all; the ws ones "
@@ -208,6 +259,10 @@ def main():
         want = {tuple(int(v) for v in s.split("x")) for s in args.only.split(",")}
         shapes = [sh for sh in shapes if sh in want]
     where = "CPU interpreter (smoke)" if smoke else torch.cuda.get_device_name()
+    if args.lowrank:
+        print(f"N = {N}, R = {RANK}, {where}: the rank-R pre-pass, graph us and GB/s (read of u + writes)")
+        lowrank_rows(N, dev, timer(smoke), lambda s: print(s, flush=True), smoke)
+        return
     print(f"N = {N}, R = {RANK}, scale = {SCALE}, {where}, triton {triton.__version__}, torch {torch.__version__}")
     print(f"{'K':>6s} {'O':>6s} op  {'variant':14s} {'eager us':>9s} {'graph us':>9s} {'rate':>12s} "
           f"{'xcuBLAS':>7s} {'err':>8s}")

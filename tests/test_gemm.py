@@ -112,12 +112,15 @@ def test_matmul_gpu_sizes(M, N, K):
     _run_and_compare(M, N, K, torch.bfloat16, False, False, with_bias=False, accumulate=True, alpha=1.0, g=g)
 
 
+@pytest.mark.parametrize("flat", [True, False])
 @pytest.mark.parametrize("tb", [False, True])
 @pytest.mark.parametrize("with_bias,accumulate,alpha", [(False, False, 1.0), (True, True, 0.5)])
-def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, monkeypatch):
+def test_matmul_tma_kernel(tb, with_bias, accumulate, alpha, flat, monkeypatch):
     """The Hopper TMA kernel (chosen on an sm_90 GPU for 16-bit row-major a, aligned rows, at least
     a wave of tiles and TMA_MIN_MACS) for x W^T (tb) and dy W: on the CPU through the interpreter with the
-    choice forced, on the GPU as chosen. Fails if the TMA kernel did not run."""
+    choice forced, on the GPU as chosen. Fails if the TMA kernel did not run. flat: its tile loop
+    flattened and c's tiles leaving (and, accumulating, arriving) by TMA (gemm.TMA_FLAT), or not."""
+    monkeypatch.setattr(G, "TMA_FLAT", flat)
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # these shapes are below the size that picks TMA (tma_ok reads this)
     hopper_path(monkeypatch)
     if DEVICE == "cpu":

@@ -195,7 +195,8 @@ def _run_config(kernel, D, cfg, time_it):
 
 
 def _compile_job(job):
-    return _run_config(*job, time_it=False)
+    TMA["on"] = job[-1]   # a spawned worker starts with the module's default: the pointer loops
+    return _run_config(*job[:-1], time_it=False)
 
 
 def sweep(compile_only, workers, kernels=tuple(SWEEP)):
@@ -203,7 +204,7 @@ def sweep(compile_only, workers, kernels=tuple(SWEEP)):
     if compile_only:   # fill the on-disk Triton cache in parallel; timing runs serially afterwards
         import multiprocessing as mp
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            for job, res in zip(jobs, ex.map(_compile_job, jobs)):
+            for job, res in zip(jobs, ex.map(_compile_job, [j + (TMA["on"],) for j in jobs])):
                 if isinstance(res, str):
                     print("compile failed", job, res)
         return

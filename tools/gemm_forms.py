@@ -13,7 +13,17 @@ Forms (pointer loads only: the code an RTX / A100 card runs; on an H100 the dots
   pflat      one program per SM over one flat loop of (tile, K step) pairs, the epilogue under an `if`
              at each tile's last step: the software pipeliner then loads the next tile's first K
              steps while this tile's last ones and its epilogue run (no fill and drain per tile)
+  tma        gemm._matmul_tma_kernel: the Hopper path's TMA loads (not portable; the reference the
+             forms below change one thing of)
+  tmaflat    the same with tl.range(flatten=True) over (tile, K step): the pipeliner issues the next
+             tile's first loads under this tile's last steps and epilogue
+  tmastore   the same with the epilogue through a TMA store (the tile staged in shared memory and
+             stored asynchronously, so the next tile's loads need not wait behind it)
+  tmaflatstore   both (gemm.TMA_FLAT: lean's _matmul_tma_kernel on sm_90 since)
+  lean       gemm.matmul itself (the config column is ignored; LEAN_TMA_FLAT=0 for the earlier loop)
 dy W rows (gemm._matmul_kernel, one program per tile) run the same configs.
+--lmhead adds the fused linear+CE's logits chunks (1024 rows x 151,936 columns over K 2048 and 1024:
+Qwen3-30B-A3B's and Qwen3-0.6B's lm_head, the TMA path in the step).
 A config that does not compile or fit prints its error and is skipped. Standalone: imports lean's
 jit helpers, nothing else of lean runs.
 """
@@ -34,8 +44,10 @@ CONFIGS = ["128x256x64w8s4", "128x256x64w8s3", "256x128x64w8s3", "128x128x64w4s3
            "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4",
            # BLOCK_K 128 at three stages (196,608 B on sm_90): half the CTA barriers per K of the
            # 64-wide steps (the pointer loop syncs the CTA twice a step; BENCHMARKS.md), untimed
-           "128x128x128w8s3", "128x128x128w4s3"]
+           "128x128x128w8s3", "128x128x128w4s3", "128x256x128w8s2"]
 FORMS = ["persist1", "persist2", "tile", "persist2nk", "pflat"]
+TMA_FORMS = ["tma", "tmaflat", "tmastore", "tmaflatstore"]     # Hopper only; not in the default run
+LM_HEAD = [(1024, 2048, 151936, "lm_head C2048"), (1024, 1024, 151936, "lm_head C1024")]  # (M, K, O, name)
 
 
 def parse(cfg):
@@ -111,6 +123,28 @@ def _persist_flat_kernel(c_ptr, a_ptr, b_ptr, M, N, K, stride_am, stride_bn, str
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
+@triton.jit
+def _tma_forms_kernel(c_ptr, c_desc, a_desc, b_desc, M, N, K, stride_cm, n_programs,
+                      FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """gemm._matmul_tma_kernel (B K-major, no bias, alpha 1) with the tile loop flattened and/or the
+    epilogue through a TMA store."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs, flatten=FLATTEN):
+        pid_m, pid_n = G.grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+        if TMA_STORE:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        else:
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
 def launch(form, cfg, c, a, w, sms):
     """c = a @ w^T in `form` at config cfg; a (M, K), w (N, K) row-major."""
     bm, bn, bk, warps, stages = parse(cfg)
@@ -133,6 +167,19 @@ def launch(form, cfg, c, a, w, sms):
         n = min(tiles, sms)
         _persist_flat_kernel[(n,)](c, a, w.t(), M, N, K, a.stride(0), w.stride(0), c.stride(0), n,
                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    elif form == "tma":
+        n = min(tiles, sms)
+        G._matmul_tma_kernel[(n,)](c, G.tma_desc(a, (bm, bk)), G.tma_desc(w, (bn, bk)), c, M, N, K, c.stride(0),
+                                   1.0, n, B_KMAJOR=True, HAS_BIAS=False, ACCUMULATE=False, BLOCK_M=bm,
+                                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT=False, C_DESC=False,
+                                   num_warps=warps, num_stages=stages)
+    elif form == "lean":   # gemm.matmul as the step calls it (its own config; LEAN_TMA_FLAT applies)
+        G.matmul(c, a, w.t())
+    elif form in ("tmaflat", "tmastore", "tmaflatstore"):
+        n = min(tiles, sms)
+        _tma_forms_kernel[(n,)](c, G.tma_desc(c, (bm, bn)), G.tma_desc(a, (bm, bk)), G.tma_desc(w, (bn, bk)),
+                                M, N, K, c.stride(0), n, FLATTEN="flat" in form, TMA_STORE="store" in form,
+                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     elif form == "dyW":   # c (M, K) = a (M, N) @ w (N, K): the per-tile pointer kernel, b row-major
         M, Nn = a.shape
         Kk = w.shape[1]
@@ -153,19 +200,21 @@ def main():
     p.add_argument("--forms", default=",".join(FORMS + ["dyW"]))
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--shapes", default="", help="comma-separated shape indices (default all)")
+    p.add_argument("--lmhead", action="store_true", help="also the linear+CE logits chunks (LM_HEAD)")
     args = p.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     forms, configs = args.forms.split(","), args.configs.split(",")
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    shapes = [(N_TOKENS, K, O, name) for K, O, name in shapes] + (LM_HEAD if args.lmhead else [])
     best = {}
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; x cuBLAS (CUDA-graph medians)", flush=True)
-    for K, O, name in shapes:
-        x = torch.randn(N_TOKENS, K, device="cuda", dtype=torch.bfloat16)
+    for M, K, O, name in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(O, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-        dy = torch.randn(N_TOKENS, O, device="cuda", dtype=torch.bfloat16)
-        y, ref = (torch.empty(N_TOKENS, O, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        dx, dref = (torch.empty(N_TOKENS, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dy = torch.randn(M, O, device="cuda", dtype=torch.bfloat16)
+        y, ref = (torch.empty(M, O, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dx, dref = (torch.empty(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         t_fwd = bench(lambda: torch.mm(x, w.t(), out=ref))
         t_bwd = bench(lambda: torch.mm(dy, w, out=dref))
         for form in forms:

@@ -186,17 +186,21 @@ def _matmul_kmajor_kernel(
 
 @triton.jit
 def _matmul_tma_kernel(
-    c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride
+    c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride;
+                                            # with C_DESC a descriptor of it, tiles (BLOCK_M, BLOCK_N)
     a_desc, b_desc, bias_ptr,               # TMA descriptors of a (M, K) and b: (N, K) if B_KMAJOR, else (K, N)
     M, N, K, stride_cm, alpha, n_programs,
     B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLAT: tl.constexpr, C_DESC: tl.constexpr,
 ):
     """_matmul_kernel for 16-bit row-major a on Hopper: tiles loaded by TMA (rows and columns
     past the edges read as zero), a persistent grid of n_programs walking the tiles in grouped
-    order; the same epilogue."""
+    order; the same epilogue. FLAT (TMA_FLAT): the tile loop flattened with its K loop, so the
+    pipeliner loads the next tile's first K steps under this tile's last ones and its epilogue;
+    C_DESC: the tile leaves by a TMA store (asynchronous; rows and columns past M, N clipped)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, n_programs):
+    for tile in tl.range(tl.program_id(0), tiles, n_programs, flatten=FLAT):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -210,11 +214,16 @@ def _matmul_tma_kernel(
         acc = acc * alpha
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        if ACCUMULATE:
-            acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        if C_DESC:
+            if ACCUMULATE:
+                acc += c_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
+            c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))
+        else:
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+            mask = (rm < M)[:, None] & (rn < N)[None, :]
+            if ACCUMULATE:
+                acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +266,28 @@ GROUP_M = 8
 # medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
 # dy W 449-665 (0.88-0.98x; pointer 440-640). s3 vs s4 within 5%, s3 ahead on 6 of 9 x W^T shapes.
 _TMA = (128, 256, 64, 8, 3)
+# _matmul_tma_kernel's tile loop flattened with the K loop (tl.range(flatten=True)) and the output
+# tile leaving by a TMA store (FLAT, C_DESC). H200, bf16,
+# tools/gemm_forms.py --forms tma,tmaflat,tmastore,tmaflatstore (x cuBLAS, CUDA-graph medians), the
+# nine projection shapes at M = 8192: 0.912-1.010 -> 0.959-1.043 (8 of 9 up; each change alone mixed);
+# the lm_head's logits chunks (1024 x 151,936 over C 2048 / 1024) 0.993 -> 1.035 / 0.968 -> 0.989.
+# At 4 stages the staged output tile no longer fits (OutOfResources). Only where b is K-major (x W^T):
+# flattened, the dy W loop (b row-major) needs 278,552 B on sm_90 (tools/arch_compile.py). sm_90 only,
+# where it was timed (and the interpreter, where the CPU tests run it); on sm_100 Triton 3.6 failed to
+# compile the flattened LoRA kernel below (PassManager::run). Not in lora_linear_pre.py's forward: flattened
+# with its rank-R epilogue (and TMA stores) it ran 10-20% slower (tools/lora_bench.py, H200: 2048 x
+# 8192 407 -> 488 us) and the graph steps 1.3-3% slower (Qwen3-0.6B 121,083 / 121,010 -> 119,522 /
+# 119,348 tok/s, Llama-3.2-1B 88,555 / 89,112 -> 85,993 / 86,729, interleaved runs, one H200).
+# The env switch: A/B runs.
+TMA_FLAT = os.environ.get("LEAN_TMA_FLAT", "1") != "0"
+TMA_FLAT_ARCHS = ("sm_90", "interpreter")
+
+
+def tma_flat(device):
+    """True where the TMA x W^T kernels flatten their tile loop and store by TMA (TMA_FLAT)."""
+    return TMA_FLAT and arch(device).name in TMA_FLAT_ARCHS
+
+
 # A TMA launch costs the host ~45 us more than a pointer one (the launcher encodes a tensor map
 # per descriptor; H100 host, Triton 3.6): Qwen3-0.6B's eager step, host-bound already, ran 110-150
 # ms with TMA kernels for every projection against 94-132 ms without (interleaved rounds,
@@ -330,8 +361,14 @@ def tma_ok(*tensors, macs):
     tma_at_every_size), an arch that takes the TMA path (arch.py; never the interpreter) and 2-D 16-bit tensors with a unit
     last stride and 16-byte aligned bases and row strides."""
     return worth_a_prepass(macs) and not interpreting() and arch(tensors[0].device).tma and all(
-        t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
-        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+        map(tma_describable, tensors))
+
+
+def tma_describable(t):
+    """A 2-D 16-bit tensor a TMA descriptor can cover: unit last stride, 16-byte aligned base and
+    row stride (the TMA kernels' outputs: their tiles then leave by TMA stores)."""
+    return (t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(1) == 1
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 def tma_desc(t, block):
@@ -346,11 +383,14 @@ def _matmul_tma(c, a, b, bias, accumulate, alpha):
     kmajor = b.stride(0) == 1 and N > 1
     b_desc = tma_desc(b.t(), (BN, BK)) if kmajor else tma_desc(b, (BK, BN))
     n_programs = min(arch(a.device).sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    flat = kmajor and tma_flat(a.device)
+    c_desc = flat and tma_describable(c)       # a 16-bit output a descriptor covers: TMA stores
     _matmul_tma_kernel[(n_programs,)](
-        c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
+        tma_desc(c, (BM, BN)) if c_desc else c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
         M, N, K, c.stride(0), float(alpha), n_programs,
         B_KMAJOR=kmajor, HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLAT=flat, C_DESC=c_desc,
+        num_warps=warps, num_stages=stages)
 
 
 def _use_tma(a, b, M, N):

@@ -6,6 +6,7 @@ several tiles as on the GPU."""
 import pytest
 import torch
 
+from lean.kernels import lora_linear_pre as LP
 from lean.kernels.lora_linear_pre import _bwd_tma_pre, _fwd_tma_pre, lora_dyb, lora_xa, lora_xa_shared
 from lean.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.test_lora_linear import _problem
@@ -113,10 +114,13 @@ def _bwd_checks(N, K, O, R, accumulate, dtype, g, **variant):
     return [("dx", dx, dx_ref, dx_low), ("dyb", dyb, matmul_ref(_up(dy), _up(b_pad)), matmul_ref(dy, b_pad))]
 
 
+@pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K,O,R,with_bias", CASES)
-def test_fwd_tma_pre(N, K, O, R, with_bias, dtype):
-    """y = x W^T + bias + scale * xa B^T and xa = x A^T, against torch."""
+def test_fwd_tma_pre(N, K, O, R, with_bias, dtype, first, monkeypatch):
+    """y = x W^T + bias + scale * xa B^T and xa = x A^T, against torch; first: the rank-R term
+    before the main loop and TMA stores (LORA_FIRST, 16-bit y), or after it with pointer stores."""
+    monkeypatch.setattr(LP, "LORA_FIRST", first)
     _check_all(_fwd_checks(N, K, O, R, with_bias, dtype, fresh_generator()))
 
 

@@ -11,6 +11,10 @@ Rows per (K, O) projection shape, forward (y = x W^T + s xa B^T, xa = x A^T) and
   pre         _fwd_tma_pre / _bwd_tma_pre: the whole op, pre-pass included (lean's defaults)
   pre s4 / 256x128   the same with num_stages 4 / 256x128 tiles
   prepass     lora_xa / lora_dyb alone (memory-bound: GB/s of the one read of x or dy)
+  first, store, first store, first flat   variants defined here of "pre"'s kernel as it was: the
+              rank-R term first (the accumulator starts from it), y stored by TMA, both (what "pre"
+              runs since: lora_linear_pre.LORA_FIRST; LEAN_LORA_FIRST=0 for the earlier form), and
+              both with the tile loop flattened into the K loop (gemm.TMA_FLAT's form)
   tmaepi      a variant defined here: the pre-pass, then a kernel whose epilogue loads the xa (dyb)
               and B (A) tiles by TMA too; "tmaepi ws": with tl.range(warp_specialize=True) on the
               K loop, 4 warps (Triton 3.6 compiles Hopper warp specialisation only at 4 warps and
@@ -90,11 +94,58 @@ def _bwd_tmaepi_kernel(dx_ptr, dy_desc, w_desc, dyb_desc, a_desc, N, K, O, strid
                  mask=(rm < N)[:, None] & (rn < K)[None, :])
 
 
+@triton.jit
+def _fwd_where_kernel(y_ptr, x_desc, w_desc, xa_ptr, b_ptr, N, K, O, R, stride_y, scale, n_programs,
+                      FIRST: tl.constexpr, FLAT: tl.constexpr, STORE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
+    """lean's _lora_linear_fwd_tma_pre_kernel (pointer loads of xa and B) with the rank-R term first
+    (FIRST: the accumulator starts from it, the epilogue only stores), the tile loop flattened into
+    the K loop (FLAT) and/or y's tiles stored by TMA (STORE: y_ptr a descriptor)."""
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, n_programs, flatten=FLAT):
+        pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < N, rn < O
+        if FIRST:
+            xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                            other=0.0)
+            bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot((xa_lp.to(tl.float32) * scale).to(xa_lp.dtype), bt)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+        if not FIRST:
+            xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                            other=0.0)
+            bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot((xa_lp.to(tl.float32) * scale).to(xa_lp.dtype), bt, acc)
+        if STORE:
+            y_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype))
+        else:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fwd_where(y, xa, x, w, a, b, scale, cfg, first, flat, store):
+    (N, K), O, R = x.shape, w.shape[0], a.shape[0]
+    BM, BN, BK, warps, stages = cfg
+    LT.lora_xa(xa, x, a)
+    n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
+    _fwd_where_kernel[(n,)](tma_desc(y, (BM, BN)) if store else y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)),
+                            xa, b, N, K, O, R, y.stride(0), float(scale), n, FIRST=first, FLAT=flat, STORE=store,
+                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=max(16, triton.next_power_of_2(R)),
+                            GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+
+
 def fwd_tmaepi(y, xa, x, w, a, b, scale, cfg, ws):
     (N, K), O, R = x.shape, w.shape[0], a.shape[0]
     BM, BN, BK, warps, stages = cfg
     LT.lora_xa(xa, x, a)
-    n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN))
+    n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
     _fwd_tmaepi_kernel[(n,)](y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), tma_desc(xa, (BM, R)),
                              tma_desc(b, (BN, R)), N, K, O, y.stride(0), float(scale), n, WS=ws,
                              BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
@@ -104,7 +155,7 @@ def bwd_tmaepi(dx, dyb, dy, w, a, b, scale, cfg, ws):
     (N, O), K, RP = dy.shape, w.shape[1], dyb.shape[1]
     BM, BN, BO, warps, stages = cfg
     LT.lora_dyb(dyb, dy, b)
-    n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(K, BN))
+    n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(K, BN), dy.device)
     _bwd_tmaepi_kernel[(n,)](dx, tma_desc(dy, (BM, BO)), tma_desc(w, (BO, BN)), tma_desc(dyb, (BM, RP)),
                              tma_desc(a, (RP, BN)), N, K, O, dx.stride(0), float(scale), n, WS=ws,
                              BLOCK_M=BM, BLOCK_N=BN, BLOCK_O=BO, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
@@ -159,6 +210,10 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
             ("prepass", lambda: LT.lora_xa(xa, x, a), xa, xa_t),
             ("tmaepi", lambda: fwd_tmaepi(y, xa, x, w, a, b, s, base, False), y, y_t),
             ("tmaepi ws", lambda: fwd_tmaepi(y, xa, x, w, a, b, s, ws, True), y, y_t),
+            ("first", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, False, False), y, y_t),
+            ("store", lambda: fwd_where(y, xa, x, w, a, b, s, base, False, False, True), y, y_t),
+            ("first store", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, False, True), y, y_t),
+            ("first flat", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, True, True), y, y_t),
         ],
         "bwd": [
             ("cuBLAS", lambda: torch.matmul(dy, w, out=dx), None, None),

@@ -8,8 +8,9 @@ Same math, shapes and rounding as lean/kernels/lora_linear.py's fused kernels (s
 docstring): forward y = x W^T + bias + scale * xa B^T with xa = x A^T written; backward kernel 1
 dx (=, or +=) dy W + scale * dyb A with dyb = dy B written. The rank-R product comes first, from
 a skinny memory-bound kernel (_lora_lowrank_kernel: lora_xa / lora_dyb, one read of x or dy);
-then the GEMM's main loop is exactly one of gemm.py's and its epilogue reads the (BLOCK_M,
-BLOCK_R) xa / dyb tile with pointers and adds its product with the B^T (A) tile:
+then the GEMM's main loop is exactly one of gemm.py's, and the (BLOCK_M, BLOCK_R) xa / dyb tile,
+read with pointers, adds its product with the B^T (A) tile in the epilogue (the Hopper forward:
+before the main loop, its accumulator starting from that product, LORA_FIRST):
   - Hopper (_lora_linear_fwd_tma_pre_kernel, _lora_linear_bwd_tma_pre_kernel): _matmul_tma_kernel's
     loop (x and W tiles by TMA descriptors, one persistent program per SM walking grouped tiles);
   - pointer (_lora_linear_fwd_pre_kernel, _lora_linear_bwd_pre_kernel): gemm.dot_tile_kmajor (a
@@ -22,7 +23,8 @@ BENCHMARKS.md, "Every GPU".)
 Rounding: the rank-R product accumulates in fp32 and is rounded once to x's (dy's) dtype (the
 stored xa / dyb); the epilogue multiplies that by scale in fp32, rounds again (exact for
 power-of-two scales) and adds its product into the GEMM's fp32 accumulator; one rounding of y
-(dx) at the end. The pointer kernels round alike and differ only in summation order.
+(dx) at the end. The pointer kernels round alike and differ only in summation order (as the Hopper
+forward's rank-R term first does from its own epilogue form).
 
     lora_xa(xa, x, a):    xa  (N, R)  = x (N, K) A^T,  a (R, K);  x's dtype, fp32 accumulation
     lora_dyb(dyb, dy, b): dyb (N, RP) = dy (N, O) B,   b (O, RP); dy's dtype, fp32 accumulation
@@ -45,11 +47,15 @@ Caution:
     once gave a wrong dy B on an H100 inside a main loop (lora_linear.py's Caution); the bf16
     GPU test at R = 8 passes.
   - Not offered: tl.range(flatten=True) on the persistent loop (176 KB of shared memory at R = 16;
-    wrong results on the H100 once combined with loads ahead of the main loop) and warp
+    wrong results on the H100 once combined with loads ahead of the main loop; on the H200 at
+    0.41-0.56x cuBLAS with the rank-R term first, 10-20% slower than today's with it last, where
+    gemm.py's plain x W^T gains from it: gemm.TMA_FLAT) and warp
     specialisation (Triton 3.6 on sm_90 ignores it at 8 warps and fails to compile it at 4 warps
     with pointer loads in the epilogue).
   - y, dx must not alias x, dy or w (other programs still read them while tiles are stored).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -57,7 +63,7 @@ import triton.language as tl
 from lean.kernels._check import check
 from lean.kernels.arch import arch
 from lean.kernels.gemm import (FLOATS, GROUP_M, dot_tile, dot_tile_kmajor, gemm_config, grouped_tile, interpret_config,
-                               interpreting, tma_desc)
+                               interpreting, tma_desc, tma_describable)
 
 
 @triton.jit
@@ -102,35 +108,52 @@ def _lora_lowrank_kernel(
 
 @triton.jit
 def _lora_linear_fwd_tma_pre_kernel(
-    y_ptr,                                  # (N, O) out
+    y_ptr,                                  # (N, O) out; with FIRST its descriptor, tiles (BM, BN)
     x_desc, w_desc,                         # descriptors: x (N, K) tiles (BM, BK), w (O, K) (BN, BK)
     xa_ptr, b_ptr, bias_ptr,                # (N, R) from lora_xa; (O, R); (O,) or dummy
     N, K, O, R, stride_y, scale, n_programs,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, FIRST: tl.constexpr,
 ):
+    """FIRST (LORA_FIRST): the rank-R term first, the accumulator starting from it (as gmm's), and
+    y's tiles leaving by TMA stores; else the rank-R term after the main loop, pointer stores."""
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, n_programs):
         pid_m, pid_n = grouped_tile(tile, N, O, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):                               # gemm.py's TMA main loop
-            acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([pid_n * BLOCK_N, k0]).T, acc,
-                         input_precision=PRECISION)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < N, rn < O
-        xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
-                        other=0.0)
-        bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
-        acc = tl.dot(xs, bt, acc, input_precision=PRECISION)
+        if FIRST:
+            acc = _lora_term(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, rr, r_ok, R, scale,
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):                               # gemm.py's TMA main loop
+            acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k0]), w_desc.load([pid_n * BLOCK_N, k0]).T, acc,
+                         input_precision=PRECISION)
+        if not FIRST:
+            acc = _lora_term(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, rr, r_ok, R, scale, acc, PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        if FIRST:
+            y_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype))
+        else:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _lora_term(xa_ptr, b_ptr, rm, rn, m_ok, n_ok, rr, r_ok, R, scale, acc, PRECISION: tl.constexpr):
+    """acc + (scale * xa[rm]) b[rn]^T: xa (N, R) and b (O, R) contiguous, scale applied to xa in fp32
+    and rounded to its dtype (the tensor cores take 16-bit operands)."""
+    xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                    other=0.0)
+    bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    xs = (xa_lp.to(tl.float32) * scale).to(xa_lp.dtype)
+    return tl.dot(xs, bt, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -243,6 +266,13 @@ def _lora_linear_bwd_pre_kernel(
 # TMA loop (no LoRA) 0.87-1.06x. Loading the epilogue's xa / B tiles before the main loop instead
 # of after it: within noise (+-4%, both signs). s4 within 3% of s3.
 _TMA_PRE = (128, 256, 64, 8, 3)
+# The forward's rank-R term first and y stored by TMA (LORA_FIRST): H200, tools/lora_bench.py
+# ("first store" against "pre", x cuBLAS): 0.75-0.94x -> 0.77-0.95x over eight shapes, +4-6% at
+# Qwen3-0.6B's (K 1024 / 3072), -4% at 8192 -> 2048, within 1% elsewhere; either change alone
+# ("first", "store") less. Graph steps, LEAN_LORA_FIRST=1|0 interleaved, three pairs on one H200:
+# Qwen3-0.6B 121,242 / 121,166 / 120,671 against 120,540 / 120,287 / 120,608 tok/s (+0.45%),
+# Llama-3.2-1B 88,605 / 88,573 / 88,190 against 88,001 / 88,754 / 88,369 (+0.1%, the spread).
+LORA_FIRST = os.environ.get("LEAN_LORA_FIRST", "1") != "0"
 _TMA_PRE_FP32 = (64, 64, 32, 4, 2)      # fp32 test path (IEEE products): untuned
 # The pointer kernels take gemm.py's tiles (gemm_config), whose main loops they share: the forward
 # _matmul_kmajor_kernel's x W^T tile, the backward _matmul_kernel's dy W tile (128x256x64, 3 stages
@@ -338,11 +368,13 @@ def _fwd_tma_pre(y, xa, x, w, a, b, scale, bias, BR, *, config=None, xa_ready=Fa
         _lowrank(xa, x, a.t())                                        # xa (N, R)
     BM, BN, BK, warps, stages = _pre_config(N, O, K, x.dtype, config)
     n_programs = _n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
+    first = LORA_FIRST and tma_describable(y)
     _lora_linear_fwd_tma_pre_kernel[(n_programs,)](
-        y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), xa, b, bias if bias is not None else y,
-        N, K, O, R, y.stride(0), float(scale), n_programs,
+        tma_desc(y, (BM, BN)) if first else y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)), xa, b,
+        bias if bias is not None else y, N, K, O, R, y.stride(0), float(scale), n_programs,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M, FIRST=first,
+        num_warps=warps, num_stages=stages)
 
 
 def _bwd_tma_pre(dx, dyb, dy, w, a, b, scale, accumulate, *, config=None):

@@ -61,6 +61,17 @@ TABLES = {"fwd": FWD_CONFIG, "dkdv": DKDV_CONFIG, "dq": DQ_CONFIG}
 TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
                "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 2)},
                "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}}
+
+
+def _override_tma_tables(spec):
+    """LEAN_ATTN_TMA="kernel:D:BM,BN,W,S;...": rows that replace TMA_TABLES' (experiments: step A/Bs)."""
+    for row in spec.split(";"):
+        kernel, d, cfg = row.split(":")
+        TMA_TABLES[kernel][int(d)] = tuple(int(v) for v in cfg.split(","))
+
+
+if os.environ.get("LEAN_ATTN_TMA"):
+    _override_tma_tables(os.environ["LEAN_ATTN_TMA"])
 # The walk's order (attention._work_item, _query_program). SORTED takes the documents longest
 # first and puts the heads on grid axis 0, so that every head's heaviest programs launch first;
 # unsorted, the heads are axis 1 and the last heads' heavy programs launch after every other
@@ -73,10 +84,6 @@ TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
 # 0.544, 0.478 -> 0.400, 0.826 -> 0.723 (the same bits). dq alone gains 0-4% from it. The
 # forward's programs are short (one head each): sorted it measured 3-10% slower at (32, 8, 128),
 # within noise elsewhere.
-if os.environ.get("LEAN_ATTN_TMA"):  # "kernel:D:BM,BN,W,S;..." overrides TMA_TABLES rows: step A/Bs
-    for _row in os.environ["LEAN_ATTN_TMA"].split(";"):
-        _k, _d, _cfg = _row.split(":")
-        TMA_TABLES[_k][int(_d)] = tuple(int(v) for v in _cfg.split(","))
 SORTED = {"fwd": False, "dkdv": True, "dq": True}
 DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
 # dk/dv programs per key block and kv head, by (G, D): G = H // KVH query heads per kv head, D the

@@ -23,8 +23,8 @@ BENCHMARKS.md, "Every GPU".)
 Rounding: the rank-R product accumulates in fp32 and is rounded once to x's (dy's) dtype (the
 stored xa / dyb); the epilogue multiplies that by scale in fp32, rounds again (exact for
 power-of-two scales) and adds its product into the GEMM's fp32 accumulator; one rounding of y
-(dx) at the end. The pointer kernels round alike and differ only in summation order (as the Hopper
-forward's rank-R term first does from its own epilogue form).
+(dx) at the end. The pointer kernels round alike and differ only in summation order (so does the
+Hopper forward under LORA_FIRST, which adds the rank-R product first).
 
     lora_xa(xa, x, a):    xa  (N, R)  = x (N, K) A^T,  a (R, K);  x's dtype, fp32 accumulation
     lora_dyb(dyb, dy, b): dyb (N, RP) = dy (N, O) B,   b (O, RP); dy's dtype, fp32 accumulation
@@ -47,9 +47,9 @@ Caution:
     once gave a wrong dy B on an H100 inside a main loop (lora_linear.py's Caution); the bf16
     GPU test at R = 8 passes.
   - Not offered: tl.range(flatten=True) on the persistent loop (176 KB of shared memory at R = 16;
-    wrong results on the H100 once combined with loads ahead of the main loop; on the H200 at
-    0.41-0.56x cuBLAS with the rank-R term first, 10-20% slower than today's with it last, where
-    gemm.py's plain x W^T gains from it: gemm.TMA_FLAT) and warp
+    wrong results on the H100 once combined with loads ahead of the main loop; on the H200 10-20%
+    slower with the rank-R term last and 0.41-0.56x cuBLAS with it first, while gemm.py's plain
+    x W^T gains from it: gemm.TMA_FLAT) and warp
     specialisation (Triton 3.6 on sm_90 ignores it at 8 warps and fails to compile it at 4 warps
     with pointer loads in the epilogue).
   - y, dx must not alias x, dy or w (other programs still read them while tiles are stored).

@@ -27,18 +27,13 @@ tf32), slow on a GPU, meant for tests and small fp32 reductions.
 Tested: tests/test_gemm.py: fp32 and fp16 (CPU interpreter), bf16 (H100), odd sizes, transposed
 views of a and b, bias, accumulate, alpha, rejection of bad arguments; the TMA kernel in fp16 under
 the interpreter (its choice forced) and bf16 on the GPU.
-Three main loops. Where the arch table takes the Hopper path (arch.py: sm_90/sm_100), for 16-bit
-row-major a, TMA-describable a and b (16-byte aligned base and row stride) and TMA_MIN_MACS: at least
-a wave of 128 x 256 tiles, _matmul_tma_kernel, tiles
-loaded by TMA through host tensor descriptors and a persistent grid (one program per SM walking the
-tiles); fewer tiles over a K long enough to slice, split-K (gemm_splitk.py: fp32 partials of K
-slices, summed in fixed order; the fused linear-CE's dh chunks). Otherwise (the portable path,
-fp32, transposed a, odd strides, small outputs, the interpreter) pointer loads: x W^T with row-major
-a (both operands K-contiguous) on _matmul_kmajor_kernel, a persistent grid; the rest on
-_matmul_kernel, one program per tile.
-Speed (H100, bf16, M = 8192, Qwen3-0.6B / Llama-3.2-1B projections): TMA x W^T 0.94-1.03x cuBLAS,
-dy W 0.88-0.98x (CUDA-graph medians, tools/step_levers.py); pointer loads x W^T 0.83-0.95x,
-dy W 0.84-0.99x (do_bench medians, L2 flushed; the configuration notes below).
+Three main loops. On the Hopper path (arch.py: sm_90/sm_100), for 16-bit row-major a, TMA-describable
+a and b (16-byte aligned base and row stride), TMA_MIN_MACS and at least a wave of 128 x 256 tiles:
+_matmul_tma_kernel, tiles loaded by TMA, one persistent program per SM walking the tiles; fewer
+tiles over a K long enough to slice: split-K (gemm_splitk.py, fp32 partials of K slices summed in
+fixed order). Otherwise (the portable path, fp32, transposed a, odd strides, small outputs, the
+interpreter) pointer loads: x W^T with row-major a on _matmul_kmajor_kernel (persistent), the rest
+on _matmul_kernel, one program per tile. Speed: the configuration notes below.
 Caution:
   - c must not alias a or b (tiles of c are written while other programs still read a and b).
   - the split-K path allocates an fp32 workspace on every call (gemm_splitk.py's Caution).
@@ -238,47 +233,32 @@ def _matmul_tma_kernel(
 #     layout ran 0.66-0.76x at its best tile (256x128x64 w8 s3; its 128x256 wgmmas serialise, C7515).
 #   dx = dy W (b row-major) on _matmul_kernel: 128x256x64 w8 s4 0.84-0.99x cuBLAS (geometric mean
 #     0.91x); the persistent loop nest above 0.80-0.96x (0.87x) in this layout, so it stays per-tile.
-# sm80 (A100, 166,912 B): the sm90 tiles, which fit (147,456 B at most: mma.sync keeps
-#   num_stages - 1 buffers, 49,152 B per stage at 128x256x64); untuned.
-# sm86 (RTX 30/40/50, DGX Spark: 101,376 B): untuned. 128x256x64 at 3 stages: 98,304 B, no spills
-#   (ptxas, Triton 3.6); small 73,728 B.
+# sm80 (A100, 166,912 B): the sm90 tiles, 147,456 B at most; sm86 (RTX 30/40/50, DGX Spark: 101,376
+# B): 128x256x64 at 3 stages, 98,304 B, no spills (ptxas, Triton 3.6). Both untuned.
 TILES = {
     "sm90": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
     "sm80": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
     "sm86": {"kmajor": (128, 256, 64, 8, 3), "wide": (128, 256, 64, 8, 3), "small": (64, 128, 64, 4, 4)},
 }
-# kmajor: b K-contiguous (x W^T, _matmul_kmajor_kernel); wide: b row-major; both when the output
-# holds at least half a wave of 128x256 tiles; small: smaller outputs (untuned everywhere).
+# kmajor: b K-contiguous (x W^T); wide: b row-major; both from half a wave of 128x256 tiles up; small: smaller outputs.
 _FP32 = (64, 64, 32, 4, 3)        # fp32 inputs: exact CUDA-core products, correctness path, untuned
 # TRITON_INTERPRET=1 (CPU): small tiles for test shapes, so they span several tiles per dim ...
 _INTERPRET = (32, 32, 32, 4, 1)
-# ... and, for model-sized problems, the fewest programs and K steps: a least-squares fit over 100
-# timed lora_linear_fwd configs (SmolLM2 shapes, CPU) puts the interpreter's cost at ~5 ms per
-# program, ~0.8 ms per K step, ~18 ns per loaded tile element and ~0.03 ns per multiply-add, so one
-# row block (up to 512 rows), the whole output width (up to 2^20 accumulator elements) and K steps
-# of ~2^18 weight elements come within 1.3x of the fit's best tiles on every SmolLM2 GEMM.
-# Measured (fp32, 1 core, CPU time): lora_linear_fwd 497x576x1536 0.70 s at 64x256x128 -> 0.10 s
-# at 512x2048x128 (its backward 2.9 s -> 0.14 s); M = 1 decode 576 -> 1536: 1.0 s at 32^3 -> 34 ms
-# at 16x2048x128.
+# ... and, for model-sized problems, the fewest programs and K steps (a fit over 100 timed SmolLM2
+# lora_linear_fwd configs on the CPU: ~5 ms a program, ~0.8 ms a K step): one row block of up to
+# 512 rows, the whole output width (up to 2^20 accumulator elements), K steps of ~2^18 weight
+# elements. fp32, 1 core: lora_linear_fwd 497x576x1536 0.70 s at 64x256x128 -> 0.10 s.
 GROUP_M = 8
 # Hopper TMA path (_matmul_tma_kernel, 16-bit, row-major a, TMA-describable a/b, a full wave of
 # 128x256 tiles): tools/step_levers.py, H100, bf16, M = 8192, the nine projection shapes, CUDA-graph
 # medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
 # dy W 449-665 (0.88-0.98x; pointer 440-640). s3 vs s4 within 5%, s3 ahead on 6 of 9 x W^T shapes.
 _TMA = (128, 256, 64, 8, 3)
-# _matmul_tma_kernel's tile loop flattened with the K loop (tl.range(flatten=True)) and the output
-# tile leaving by a TMA store (FLAT, C_DESC). H200, bf16,
-# tools/gemm_forms.py --forms tma,tmaflat,tmastore,tmaflatstore (x cuBLAS, CUDA-graph medians), the
-# nine projection shapes at M = 8192: 0.912-1.010 -> 0.959-1.043 (8 of 9 up; each change alone mixed);
-# the lm_head's logits chunks (1024 x 151,936 over C 2048 / 1024) 0.993 -> 1.035 / 0.968 -> 0.989.
-# At 4 stages the staged output tile no longer fits (OutOfResources). Only where b is K-major (x W^T):
-# flattened, the dy W loop (b row-major) needs 278,552 B on sm_90 (tools/arch_compile.py). sm_90 only,
-# where it was timed (and the interpreter, where the CPU tests run it); on sm_100 Triton 3.6 failed to
-# compile the flattened LoRA kernel below (PassManager::run). Not in lora_linear_pre.py's forward: flattened
-# with its rank-R epilogue (and TMA stores) it ran 10-20% slower (tools/lora_bench.py, H200: 2048 x
-# 8192 407 -> 488 us) and the graph steps 1.3-3% slower (Qwen3-0.6B 121,083 / 121,010 -> 119,522 /
-# 119,348 tok/s, Llama-3.2-1B 88,555 / 89,112 -> 85,993 / 86,729, interleaved runs, one H200).
-# The env switch: A/B runs.
+# FLAT / C_DESC (TMA_FLAT): the tile loop flattened into the K loop, tiles stored by TMA. H200, bf16,
+# tools/gemm_forms.py (x cuBLAS): the nine shapes 0.912-1.010 -> 0.959-1.043, the lm_head's logits
+# chunks 0.993 -> 1.035 (C 2048) and 0.968 -> 0.989 (C 1024). x W^T only (dy W flattened needs
+# 278,552 B), sm_90 only (timed there), 3 stages only (the staged tile). Not in lora_linear_pre.py's
+# forward, where it measured 10-20% slower (BENCHMARKS.md). LEAN_TMA_FLAT=0: the A/B switch.
 TMA_FLAT = os.environ.get("LEAN_TMA_FLAT", "1") != "0"
 TMA_FLAT_ARCHS = ("sm_90", "interpreter")
 

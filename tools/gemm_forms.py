@@ -171,7 +171,7 @@ def launch(form, cfg, c, a, w, sms):
         n = min(tiles, sms)
         G._matmul_tma_kernel[(n,)](c, G.tma_desc(a, (bm, bk)), G.tma_desc(w, (bn, bk)), c, M, N, K, c.stride(0),
                                    1.0, n, B_KMAJOR=True, HAS_BIAS=False, ACCUMULATE=False, BLOCK_M=bm,
-                                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT=False, C_DESC=False,
+                                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLAT=False,
                                    num_warps=warps, num_stages=stages)
     elif form == "lean":   # gemm.matmul as the step calls it (its own config; LEAN_TMA_FLAT applies)
         G.matmul(c, a, w.t())

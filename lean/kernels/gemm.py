@@ -182,18 +182,18 @@ def _matmul_kmajor_kernel(
 @triton.jit
 def _matmul_tma_kernel(
     c_ptr,                                  # (M, N) output, row stride stride_cm, unit col stride;
-                                            # with C_DESC a descriptor of it, tiles (BLOCK_M, BLOCK_N)
+                                            # with FLAT a descriptor of it, tiles (BLOCK_M, BLOCK_N)
     a_desc, b_desc, bias_ptr,               # TMA descriptors of a (M, K) and b: (N, K) if B_KMAJOR, else (K, N)
     M, N, K, stride_cm, alpha, n_programs,
     B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLAT: tl.constexpr, C_DESC: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     """_matmul_kernel for 16-bit row-major a on Hopper: tiles loaded by TMA (rows and columns
     past the edges read as zero), a persistent grid of n_programs walking the tiles in grouped
     order; the same epilogue. FLAT (TMA_FLAT): the tile loop flattened with its K loop, so the
-    pipeliner loads the next tile's first K steps under this tile's last ones and its epilogue;
-    C_DESC: the tile leaves by a TMA store (asynchronous; rows and columns past M, N clipped)."""
+    pipeliner loads the next tile's first K steps under this tile's last ones and its epilogue, and
+    the tile leaves by a TMA store (asynchronous; rows and columns past M, N clipped)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, n_programs, flatten=FLAT):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -209,7 +209,7 @@ def _matmul_tma_kernel(
         acc = acc * alpha
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if C_DESC:
+        if FLAT:
             if ACCUMULATE:
                 acc += c_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
             c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))
@@ -254,7 +254,7 @@ GROUP_M = 8
 # medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
 # dy W 449-665 (0.88-0.98x; pointer 440-640). s3 vs s4 within 5%, s3 ahead on 6 of 9 x W^T shapes.
 _TMA = (128, 256, 64, 8, 3)
-# FLAT / C_DESC (TMA_FLAT): the tile loop flattened into the K loop, tiles stored by TMA. H200, bf16,
+# FLAT (TMA_FLAT): the tile loop flattened into the K loop, tiles stored by TMA. H200, bf16,
 # tools/gemm_forms.py (x cuBLAS): the nine shapes 0.912-1.010 -> 0.959-1.043, the lm_head's logits
 # chunks 0.993 -> 1.035 (C 2048) and 0.968 -> 0.989 (C 1024). x W^T only (dy W flattened needs
 # 278,552 B), sm_90 only (timed there), 3 stages only (the staged tile). Not in lora_linear_pre.py's
@@ -363,13 +363,12 @@ def _matmul_tma(c, a, b, bias, accumulate, alpha):
     kmajor = b.stride(0) == 1 and N > 1
     b_desc = tma_desc(b.t(), (BN, BK)) if kmajor else tma_desc(b, (BK, BN))
     n_programs = min(arch(a.device).sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
-    flat = kmajor and tma_flat(a.device)
-    c_desc = flat and tma_describable(c)       # a 16-bit output a descriptor covers: TMA stores
+    flat = kmajor and tma_flat(a.device) and tma_describable(c)   # c's tiles leave by TMA stores
     _matmul_tma_kernel[(n_programs,)](
-        tma_desc(c, (BM, BN)) if c_desc else c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
+        tma_desc(c, (BM, BN)) if flat else c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
         M, N, K, c.stride(0), float(alpha), n_programs,
         B_KMAJOR=kmajor, HAS_BIAS=bias is not None, ACCUMULATE=bool(accumulate),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLAT=flat, C_DESC=c_desc,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLAT=flat,
         num_warps=warps, num_stages=stages)
 
 

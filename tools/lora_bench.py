@@ -11,10 +11,12 @@ Rows per (K, O) projection shape, forward (y = x W^T + s xa B^T, xa = x A^T) and
   pre         _fwd_tma_pre / _bwd_tma_pre: the whole op, pre-pass included (lean's defaults)
   pre s4 / 256x128   the same with num_stages 4 / 256x128 tiles
   prepass     lora_xa / lora_dyb alone (memory-bound: GB/s of the one read of x or dy)
-  first, store, first store, first flat   variants defined here of "pre"'s kernel as it was: the
-              rank-R term first (the accumulator starts from it), y stored by TMA, both (what "pre"
-              runs since: lora_linear_pre.LORA_FIRST; LEAN_LORA_FIRST=0 for the earlier form), and
-              both with the tile loop flattened into the K loop (gemm.TMA_FLAT's form)
+  first, store, first store, first flat, tma first, tma first flat   variants defined here of
+              "pre"'s kernel as it was: the rank-R term first (the accumulator starts from it), y
+              stored by TMA, both (what "pre" runs since: lora_linear_pre.LORA_FIRST;
+              LEAN_LORA_FIRST=0 for the earlier form), both with the tile loop flattened into the K
+              loop (gemm.TMA_FLAT's form); "tma": the rank-R term's xa and B tiles by TMA
+              descriptors instead of pointer loads
   tmaepi      a variant defined here: the pre-pass, then a kernel whose epilogue loads the xa (dyb)
               and B (A) tiles by TMA too; "tmaepi ws": with tl.range(warp_specialize=True) on the
               K loop, 4 warps (Triton 3.6 compiles Hopper warp specialisation only at 4 warps and
@@ -97,10 +99,12 @@ def _bwd_tmaepi_kernel(dx_ptr, dy_desc, w_desc, dyb_desc, a_desc, N, K, O, strid
 @triton.jit
 def _fwd_where_kernel(y_ptr, x_desc, w_desc, xa_ptr, b_ptr, N, K, O, R, stride_y, scale, n_programs,
                       FIRST: tl.constexpr, FLAT: tl.constexpr, STORE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+                      LORA_TMA: tl.constexpr = False):
     """lean's _lora_linear_fwd_tma_pre_kernel (pointer loads of xa and B) with the rank-R term first
     (FIRST: the accumulator starts from it, the epilogue only stores), the tile loop flattened into
-    the K loop (FLAT) and/or y's tiles stored by TMA (STORE: y_ptr a descriptor)."""
+    the K loop (FLAT) and/or y's tiles stored by TMA (STORE: y_ptr a descriptor); LORA_TMA (with
+    FIRST): xa_ptr and b_ptr descriptors of xa (N, R) and b (O, R), tiles (BM, BR) and (BN, BR)."""
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(O, BLOCK_N)
@@ -109,7 +113,10 @@ def _fwd_where_kernel(y_ptr, x_desc, w_desc, xa_ptr, b_ptr, N, K, O, R, stride_y
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < N, rn < O
-        if FIRST:
+        if FIRST and LORA_TMA:
+            xa_lp = xa_ptr.load([pid_m * BLOCK_M, 0])
+            acc = tl.dot((xa_lp.to(tl.float32) * scale).to(xa_lp.dtype), b_ptr.load([pid_n * BLOCK_N, 0]).T)
+        elif FIRST:
             xa_lp = tl.load(xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
                             other=0.0)
             bt = tl.load(b_ptr + rn[None, :] * R + rr[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
@@ -130,15 +137,17 @@ def _fwd_where_kernel(y_ptr, x_desc, w_desc, xa_ptr, b_ptr, N, K, O, R, stride_y
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fwd_where(y, xa, x, w, a, b, scale, cfg, first, flat, store):
+def fwd_where(y, xa, x, w, a, b, scale, cfg, first, flat, store, lora_tma=False):
     (N, K), O, R = x.shape, w.shape[0], a.shape[0]
     BM, BN, BK, warps, stages = cfg
+    BR = max(16, triton.next_power_of_2(R))
     LT.lora_xa(xa, x, a)
     n = LT._n_programs(triton.cdiv(N, BM) * triton.cdiv(O, BN), x.device)
+    xa_src, b_src = (tma_desc(xa, (BM, BR)), tma_desc(b, (BN, BR))) if lora_tma else (xa, b)
     _fwd_where_kernel[(n,)](tma_desc(y, (BM, BN)) if store else y, tma_desc(x, (BM, BK)), tma_desc(w, (BN, BK)),
-                            xa, b, N, K, O, R, y.stride(0), float(scale), n, FIRST=first, FLAT=flat, STORE=store,
-                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=max(16, triton.next_power_of_2(R)),
-                            GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+                            xa_src, b_src, N, K, O, R, y.stride(0), float(scale), n, FIRST=first, FLAT=flat,
+                            STORE=store, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, GROUP_M=GROUP_M,
+                            LORA_TMA=lora_tma, num_warps=warps, num_stages=stages)
 
 
 def fwd_tmaepi(y, xa, x, w, a, b, scale, cfg, ws):
@@ -214,6 +223,8 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
             ("store", lambda: fwd_where(y, xa, x, w, a, b, s, base, False, False, True), y, y_t),
             ("first store", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, False, True), y, y_t),
             ("first flat", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, True, True), y, y_t),
+            ("tma first", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, False, True, True), y, y_t),
+            ("tma first flat", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, True, True, True), y, y_t),
         ],
         "bwd": [
             ("cuBLAS", lambda: torch.matmul(dy, w, out=dx), None, None),

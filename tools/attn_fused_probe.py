@@ -26,6 +26,7 @@ from lean.kernels import attention as A  # noqa: E402
 from lean.kernels import attention_config as AC  # noqa: E402
 from lean.kernels.gemm import tma_desc  # noqa: E402
 
+
 @triton.jit
 def _fused_step(dk, dv, k, v, q_src, do_src, dq_acc, dq_desc, tok0, seq_start, start_m, h, lse_row, delta_row,
                 offs_m, offs_n, offs_d, seqlen, stride_dqn, qk_scale, scale,

@@ -17,6 +17,10 @@ Rows per (K, O) projection shape, forward (y = x W^T + s xa B^T, xa = x A^T) and
               LEAN_LORA_FIRST=0 for the earlier form), both with the tile loop flattened into the K
               loop (gemm.TMA_FLAT's form); "tma": the rank-R term's xa and B tiles by TMA
               descriptors instead of pointer loads
+  aug gemm, aug   the rank-R term as R more K columns of one plain TMA GEMM (gemm._matmul_tma):
+              [x | s xa] (N, K + R) against [w | b] (O, K + R), and [dy | s dyb] (N, O + R) against
+              [w ; a] (O + R, K), the augmented operands built outside the timing (a layout lean
+              would keep); "aug" adds the pre-pass that computes xa (dyb)
   tmaepi      a variant defined here: the pre-pass, then a kernel whose epilogue loads the xa (dyb)
               and B (A) tiles by TMA too; "tmaepi ws": with tl.range(warp_specialize=True) on the
               K loop, 4 warps (Triton 3.6 compiles Hopper warp specialisation only at 4 warps and
@@ -204,6 +208,10 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
     tol = {"fwd": rel(y_t, f(x) @ f(w).t() + s * (f(x) @ f(a).t()) @ f(b).t()),
            "bwd": rel(dx_t, f(dy) @ f(w) + s * (f(dy) @ f(b)) @ f(a))}
     flops = {"fwd": 2 * N * K * O + 2 * N * K * R + 2 * N * R * O, "bwd": 2 * N * O * K + 2 * N * O * R + 2 * N * R * K}
+    # "aug": the rank-R term as R more columns of the one GEMM, [x | s xa] [w | b]^T and [dy | s dyb]
+    # [w ; a], in layouts that would be kept (built here outside the timing)
+    x_aug, w_aug = torch.cat([x, (xa_t.float() * s).to(lp)], 1), torch.cat([w, b], 1)
+    dy_aug, w_augb = torch.cat([dy, (dyb_t.float() * s).to(lp)], 1), torch.cat([w, a], 0)
     if dev == "cpu":   # interpreter: small tiles for every variant
         base = s4 = wide = ws = (32, 32, 32, 4, 1)
     else:
@@ -225,6 +233,8 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
             ("first flat", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, True, True), y, y_t),
             ("tma first", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, False, True, True), y, y_t),
             ("tma first flat", lambda: fwd_where(y, xa, x, w, a, b, s, base, True, True, True, True), y, y_t),
+            ("aug gemm", lambda: G._matmul_tma(y, x_aug, w_aug.t(), None, False, 1.0), y, y_t),
+            ("aug", lambda: (LT.lora_xa(xa, x, a), G._matmul_tma(y, x_aug, w_aug.t(), None, False, 1.0)), y, y_t),
         ],
         "bwd": [
             ("cuBLAS", lambda: torch.matmul(dy, w, out=dx), None, None),
@@ -234,6 +244,8 @@ def shape_rows(K, O, N, dev, bench, log, only_variants=()):
             ("prepass", lambda: LT.lora_dyb(dyb, dy, b), dyb, dyb_t),
             ("tmaepi", lambda: bwd_tmaepi(dx, dyb, dy, w, a, b, s, base, False), dx, dx_t),
             ("tmaepi ws", lambda: bwd_tmaepi(dx, dyb, dy, w, a, b, s, ws, True), dx, dx_t),
+            ("aug gemm", lambda: G._matmul_tma(dx, dy_aug, w_augb, None, False, 1.0), dx, dx_t),
+            ("aug", lambda: (LT.lora_dyb(dyb, dy, b), G._matmul_tma(dx, dy_aug, w_augb, None, False, 1.0)), dx, dx_t),
         ],
     }
     for op, variants in rows.items():

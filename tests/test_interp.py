@@ -115,3 +115,41 @@ def test_an_interrupt_in_a_launch_waits_for_its_undo(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, old_int)
+
+
+def test_dots_get_contiguous_tiles(monkeypatch):
+    """contiguous_dots: np.matmul sees C-contiguous tiles even where the kernel dots a transposed
+    view (tl.trans), so the bits follow the values, not the layout (OpenBLAS's AVX-512 kernels sum
+    the two layouts in different orders); and the transposed dot equals the one on a copy laid out
+    plainly, bit for bit."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    from lean.kernels import _interp
+
+    @triton.jit
+    def dots(out_t, out_c, a_ptr, b_ptr, bt_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])                      # (M, K)
+        b = tl.load(b_ptr + rn[:, None] * K + rk[None, :])                      # (N, K)
+        bt = tl.load(bt_ptr + rk[:, None] * N + rn[None, :])                    # (K, N), b^T stored plainly
+        tl.store(out_t + rm[:, None] * N + rn[None, :], tl.dot(a, tl.trans(b), input_precision="ieee"))
+        tl.store(out_c + rm[:, None] * N + rn[None, :], tl.dot(a, bt, input_precision="ieee"))
+
+    assert _interp.contiguous_dots() and interp.InterpreterBuilder.create_dot.contiguous
+    layouts = []
+    matmul = np.matmul
+
+    def recorded(x, y, **kw):
+        layouts.append((x.flags.c_contiguous, y.flags.c_contiguous))
+        return matmul(x, y, **kw)
+    monkeypatch.setattr(interp.np, "matmul", recorded)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    M, N, K = 32, 16, 64
+    a, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    out_t, out_c = torch.empty(M, N), torch.empty(M, N)
+    dots[(1,)](out_t, out_c, a, b, b.t().contiguous(), M=M, N=N, K=K)
+    assert layouts == [(True, True), (True, True)], layouts
+    assert torch.equal(out_t, out_c)

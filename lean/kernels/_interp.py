@@ -1,7 +1,8 @@
 """Triton's CPU interpreter (TRITON_INTERPRET=1) without its per-call re-patching: the same kernels,
-the same results, about a sixth less Python.
+the same results, about a sixth less Python; and its tl.dot on C-contiguous tiles.
 
-    patch_device_calls()    # lean/kernels/__init__.py calls it once when TRITON_INTERPRET=1
+    patch_device_calls()    # lean/kernels/__init__.py calls both once when TRITON_INTERPRET=1
+    contiguous_dots()
 
 Why: the interpreter runs a kernel by swapping triton.language's builtins (tl.load, tl.dot, ...)
 for numpy-backed ones, once per launch (GridExecutor.__call__ -> _patch_lang, undone when the launch
@@ -29,6 +30,16 @@ _changes list); with a triton where they differ it leaves the interpreter as it 
 then run at the old speed). LEAN_INTERP_PATCH=0 turns it off.
 Tested: tests/test_interp.py (the same bits with and without it; builtins restored after a
 launch; the device calls' swaps skipped).
+
+Dots: the interpreter computes tl.dot as np.matmul of the two tiles as they lie, and a tile may be
+a transposed view (tl.trans, .T) or a loaded array. OpenBLAS picks its kernel by the operands'
+layout, and on AVX-512 CPUs (its SkylakeX small-matrix kernels) the kernels for the transposed and
+plain layouts sum in different orders: two kernels that compute the same products from tiles laid
+out differently (NF4 decoded in the loop against the dequantised weight; gmm_mxfp4 against gmm)
+gave different fp32 bits there and the same bits on AVX2 CPUs (a CI machine with AVX-512 failed
+five such tests). contiguous_dots() hands np.matmul C-contiguous copies of views, so the bits
+follow the values alone, on every CPU. Tested: tests/test_interp.py (a dot of a transposed view
+and of its contiguous copy, the same bits).
 """
 import inspect
 import os
@@ -107,4 +118,27 @@ def patch_device_calls() -> bool:
 
     interp._patch_lang = _patch_lang
     _applied = True
+    return True
+
+
+def contiguous_dots() -> bool:
+    """tl.dot under the interpreter on C-contiguous tiles (module docstring, "Dots"); True when in
+    place. It reads the interpreter's InterpreterBuilder.create_dot and TensorHandle (triton 3.6);
+    where they differ, nothing changes."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    builder, handle = getattr(interp, "InterpreterBuilder", None), getattr(interp, "TensorHandle", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or handle is None:
+        return False
+    if getattr(original, "contiguous", False):
+        return True
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        a, b = (t if t.data.flags.c_contiguous else handle(np.ascontiguousarray(t.data), t.dtype) for t in (a, b))
+        return original(self, a, b, d, *args, **kwargs)
+
+    create_dot.contiguous = True
+    builder.create_dot = create_dot
     return True

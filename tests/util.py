@@ -59,9 +59,9 @@ def poison(*tensors):
             t.fill_(-12345)
 
 
-def assert_close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out"):
+def assert_close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out", lowp_ref=None):
     """The project's tolerance rule (lean/reference/rule.py's close_rule, by out's dtype), asserted."""
-    v = close_rule(out, ref, lowp, atol=atol, rtol32=rtol32, name=name)
+    v = close_rule(out, ref, lowp, atol=atol, rtol32=rtol32, name=name, lowp_ref=lowp_ref)
     assert v.ok, v.text
 
 

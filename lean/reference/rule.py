@@ -46,8 +46,10 @@ def _shape_or_finite(out, ref, name):
     return None
 
 
-def close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out", by_lowp=None):
-    """The max-error rule (see the module docstring). by_lowp: None decides by out's dtype."""
+def close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out", by_lowp=None, lowp_ref=None):
+    """The max-error rule (see the module docstring). by_lowp: None decides by out's dtype.
+    lowp_ref: what torch's own error is measured against, where out's reference is not torch's
+    (default ref)."""
     early = _shape_or_finite(out, ref, name)
     if early:
         return early
@@ -59,7 +61,8 @@ def close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out", by_low
     if by_lowp:
         if lowp is None:
             raise ValueError(f"{name}: a {out.dtype} result needs torch's own low-precision result (lowp)")
-        lerr = (_host(lowp).reshape(r.shape) - r).abs().max().item() if r.numel() else 0.0
+        lr = r if lowp_ref is None else _host(lowp_ref)
+        lerr = (_host(lowp).reshape(lr.shape) - lr).abs().max().item() if lr.numel() else 0.0
         bound = 2.0 * lerr + atol
         rule = f"2 * torch {lowp.dtype} error ({lerr:.3e}) + atol {atol:.1e}"
     else:

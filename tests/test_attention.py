@@ -293,6 +293,8 @@ def test_attention_gpu_config_tables(monkeypatch):
         for block_d in (64, 128):
             assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096, tma=True) == AC.TMA_TABLES[kernel][block_d]
         assert AC.config(kernel, 64, torch.float32, 8192, 4096) == AC.FP32_CONFIG[kernel]
+        with pytest.raises(ValueError, match="tuned for D = \\[64, 128\\] only \\(got D = 32\\)"):
+            AC.config(kernel, 32, torch.bfloat16, 8192, 4096, tma=True)
         assert AC.grid(kernel, 8, 100) == ((8, 100) if AC.SORTED[kernel] else (100, 8))
 
 

@@ -146,6 +146,9 @@ def config(kernel, block_d, dtype, max_seqlen, width, tma=False, tier=None):
     elif dtype == torch.float32:
         cfg = FP32_CONFIG[kernel]
     elif tma:
+        if block_d not in TMA_TABLES[kernel]:
+            raise ValueError(f"attention tma=True: the GPU's TMA loops are tuned for D = "
+                             f"{sorted(TMA_TABLES[kernel])} only (got D = {block_d}); pass tma=None")
         cfg = TMA_TABLES[kernel][block_d]
     elif tier in MMA_SYNC_TIERS and max(64, block_d) in MMA_SYNC_CONFIG.get(kernel, {}):
         cfg = MMA_SYNC_CONFIG[kernel][max(64, block_d)]

@@ -20,3 +20,21 @@ def test_close_rule_bound_and_lowp_ref():
     # a result outside 2 x torch's error fails
     bad = (ref + torch.tensor([0.0, 0.0, 0.05], dtype=torch.float64)).half()
     assert not close_rule(bad, ref, lowp).ok
+
+
+def test_rule_log_and_margins_tool(tmp_path, monkeypatch):
+    # LEAN_RULE_LOG: one line per verdict; tools/rule_margins.py ranks them, worst first
+    import subprocess
+    import sys
+    log = tmp_path / "rule.log"
+    monkeypatch.setenv("LEAN_RULE_LOG", str(log))
+    ref = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    close_rule(ref + 1e-6, ref, name="near")                      # err / bound = 1e-6 / 2e-5
+    close_rule(ref + 1e-4, ref, name="over")                      # 5x over its bound
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("5.0000\ttests/test_rule.py::test_rule_log_and_margins_tool")
+    assert abs(float(lines[0].split("\t")[0]) - 0.05) < 1e-3
+    out = subprocess.run([sys.executable, "tools/rule_margins.py", str(log), "--top", "1"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("2 verdicts, 2 (test, quantity) pairs; 1 over their bound")
+    assert len(out) == 3 and out[2].startswith("    5.000  tests/test_rule.py") and ":: over: max error" in out[2]

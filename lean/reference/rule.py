@@ -19,7 +19,11 @@ l2_rule (a whole step against HF + PEFT in bf16, where single elements of a grad
 exact_rule: every element equal (copies and index picks: embedding, argmax).
 NaN or inf never passes; shapes must match. Everything is compared in float64 on the CPU (one
 host copy of each tensor: a test and check utility, never in the step).
+
+LEAN_RULE_LOG=path appends one line per verdict (err / bound, the test, the text) to path: how
+close each randomly drawn test sits to its bound (tools/rule_margins.py ranks them).
 """
+import os
 from typing import NamedTuple
 
 import torch
@@ -30,6 +34,16 @@ class Verdict(NamedTuple):
     err: float     # the measured error (max abs, relative L2, or the count of differing elements)
     bound: float   # what the rule allows
     text: str      # one line: name, error, bound and how the bound was made
+
+
+def _logged(v):
+    path = os.environ.get("LEAN_RULE_LOG")
+    if path:
+        ratio = v.err / v.bound if v.bound else (0.0 if v.err == 0 else float("inf"))
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a") as f:
+            f.write(f"{ratio:.4f}\t{test}\t{v.text}\n")
+    return v
 
 
 def _host(t):
@@ -69,8 +83,8 @@ def close_rule(out, ref, lowp=None, *, atol=0.0, rtol32=1e-5, name="out", by_low
         bound = rtol32 * scale + atol
         rule = f"{rtol32:g} * max|ref| + atol {atol:.1e}"
     ok = err <= bound
-    return Verdict(ok, err, bound, f"{name}: max error {err:.3e} {'<=' if ok else '>'} {bound:.3e} = {rule} "
-                                   f"(max|ref| = {scale:.3e})")
+    return _logged(Verdict(ok, err, bound, f"{name}: max error {err:.3e} {'<=' if ok else '>'} {bound:.3e} = "
+                                           f"{rule} (max|ref| = {scale:.3e})"))
 
 
 def l2_rule(out, ref, lowp, *, atol=1e-3, name="out"):
@@ -83,8 +97,9 @@ def l2_rule(out, ref, lowp, *, atol=1e-3, name="out"):
     err, lerr = (o - r).norm().item() / norm, (low - r).norm().item() / norm
     bound = 2.0 * lerr + atol
     ok = err <= bound
-    return Verdict(ok, err, bound, f"{name}: relative L2 error {err:.3e} {'<=' if ok else '>'} {bound:.3e} "
-                                   f"= 2 * torch's low-precision error ({lerr:.3e}) + atol {atol:.1e}")
+    return _logged(Verdict(ok, err, bound, f"{name}: relative L2 error {err:.3e} {'<=' if ok else '>'} "
+                                           f"{bound:.3e} = 2 * torch's low-precision error ({lerr:.3e}) + "
+                                           f"atol {atol:.1e}"))
 
 
 def exact_rule(out, ref, name="out"):

@@ -53,19 +53,41 @@ def _run(model, lora, opt, batches, plan=None, accumulate=1):
 def _compare(model, lora, batches, clip, plan=None, accumulate=1, programs=None):
     host = _pair(model, lora, programs)
     dev_opt, host_opt = AdamW(lora, lr=1e-2, max_grad_norm=clip), AdamW(host, lr=1e-2, max_grad_norm=clip)
-    n_dev = _run(model, lora, dev_opt, batches, plan, accumulate)
-    n_host = _run(model, host, host_opt, batches, plan, accumulate)
-    exact = clip is None  # a binding clip's factor may differ in the last place, and then the later steps
+    if clip is None:       # no clipping: every step, every state bit for bit
+        n_dev = _run(model, lora, dev_opt, batches, plan, accumulate)
+        n_host = _run(model, host, host_opt, batches, plan, accumulate)
+        _check_states(lora, host, dev_opt, host_opt, n_dev, n_host, exact=True)
+        return host, host_opt
+    # A binding clip: the ring sums the norm layer by layer, so its factor may differ in the last
+    # place; the step then moves params a rounding apart, and a later step's gradients (seed 4, two
+    # steps: 3e-5 relative) and updates (7.6e-7 at lr 1e-2) compound it. So step by step: the host
+    # twin starts each step from the device state, its gradients are the same bits and its update
+    # within the rounding of the factor.
+    for i in range(0, len(batches), accumulate):
+        if i:
+            host.params.copy_(lora.params.to(host.params.device))
+            host.sync_lowp()
+            host_opt.m.copy_(dev_opt.m.to(host_opt.m.device))
+            host_opt.v.copy_(dev_opt.v.to(host_opt.v.device))
+        step = batches[i:i + accumulate]
+        n_dev = _run(model, lora, dev_opt, step, plan, accumulate)
+        n_host = _run(model, host, host_opt, step, plan, accumulate)
+        _check_states(lora, host, dev_opt, host_opt, n_dev, n_host, exact=False)
+    return host, host_opt
+
+
+def _check_states(lora, host, dev_opt, host_opt, n_dev, n_host, exact):
     for a, b in zip(n_dev, n_host):
         assert torch.allclose(a.cpu(), b.cpu(), rtol=2e-6, atol=0), (a, b)
-    for name, a, b in (("grads", lora.grads, host.grads), ("params", lora.params, host.params), ("m", dev_opt.m, host_opt.m),
+    assert torch.equal(lora.grads.cpu(), host.grads.cpu()), "grads differ"
+    for name, a, b in (("params", lora.params, host.params), ("m", dev_opt.m, host_opt.m),
                        ("v", dev_opt.v, host_opt.v), ("lowp", lora.lowp, host.lowp)):
         a, b = a.cpu(), b.cpu()
         if exact:
             assert torch.equal(a, b), f"{name} differs"
-        else:
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), f"{name}: {(a - b).abs().max()}"
-    return host, host_opt
+        else:  # the factor's last place moves m, v by ~1e-7 of their scale, p = p - lr u by an ulp
+            atol = 1e-8 if name in ("params", "lowp") else 1e-6 * b.abs().max().item()
+            assert torch.allclose(a, b, rtol=5e-7, atol=atol), f"{name}: {(a - b).abs().max()}"
 
 
 @pytest.mark.parametrize("arch,clip", [("qwen3", 1e-3)])

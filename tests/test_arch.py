@@ -184,3 +184,16 @@ def test_a_gpu_without_tensor_core_dots_is_refused_by_name(monkeypatch):
         A._device_arch(0)
     rtx = A._device_arch(1)
     assert (rtx.name, rtx.sms, rtx.smem, rtx.tier, rtx.tma) == ("sm_89", 24, 101376, "sm86", False)
+
+
+def test_gemm_ws_lever_still_compiles_for_sm90():
+    """tools/gemm_ws.py (the warp-specialized pointer-load GEMMs BENCHMARKS.md quotes for issue 23) keeps
+    compiling with the pinned Triton, within sm_90's shared memory."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gemm_ws.py"), "--compile-only",
+                          "--forms", "ws,ws:2,sa"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if "sm_90 compiles" in ln]
+    assert len(lines) == 3, res.stdout
+    for ln in lines:
+        assert 0 < int(ln.split(", ")[1].split(" B")[0]) <= A.target(9, 0).smem, ln

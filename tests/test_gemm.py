@@ -79,6 +79,17 @@ def test_matmul_fp32_output_from_lowp_inputs():
     assert_close_rule(c, a.double() @ b.double() + c0.double(), name="c")
 
 
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+def test_matmul_fp32_long_k_in_slices(ta, tb):
+    """fp32 (ieee) on _matmul_kernel sums K in slices of IEEE_STEPS K steps, each in a fresh partial:
+    K spanning two whole slices and a partial one ending in a masked step, against fp64."""
+    g = fresh_generator()
+    K = 2 * G.IEEE_STEPS * 32 + 37
+    bk = G.gemm_config(33, 65, torch.float32, A.arch(torch.device(DEVICE)), K=K)[2]
+    assert 2 * G.IEEE_STEPS * bk < K < 3 * G.IEEE_STEPS * bk and K % bk, bk
+    _run_and_compare(33, 65, K, torch.float32, ta, tb, with_bias=False, accumulate=False, alpha=1.0, g=g)
+
+
 def test_matmul_empty_k_gives_bias():
     g = fresh_generator()
     a = torch.empty(5, 0, device=DEVICE)

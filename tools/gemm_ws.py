@@ -3,6 +3,7 @@ Gluon (Triton 3.6's explicit-layout frontend), against cuBLAS and lean's persist
 
     python tools/gemm_ws.py                    # H100/H200: odd-size checks, then the nine shapes x cuBLAS
     python tools/gemm_ws.py --forms ws,ws:2,ws:1,sa   # "ws:2": 2 loader warps instead of 4
+    python tools/gemm_ws.py --forms ws,ws-loads,ws-mma  # each half of ws timed alone (x cuBLAS's time)
     python tools/gemm_ws.py --compile-only     # any machine: compile both forms for sm_90, shared bytes
 
 Why: `_matmul_kmajor_kernel`'s cp.async pipeline syncs the whole CTA twice every K step (SASS). These
@@ -14,8 +15,10 @@ Persistent: one program per SM walking the tiles in grouped order; the loader ru
 tile while the consumers store (epilogue through a layout conversion, 16-byte stores).
 
 Forms:
-  ws   loader warps (LOAD_WARPS) load both tiles; consumers only wait, multiply and store
-  sa   loader warps load the weight tile only; each consumer loads its own 64 rows of x
+  ws        loader warps (LOAD_WARPS) load both tiles; consumers only wait, multiply and store
+  sa        loader warps load the weight tile only; each consumer loads its own 64 rows of x
+  ws-loads  ws without the wgmmas (the loads and the ring's signalling alone)
+  ws-mma    ws without the copies (the wgmmas on whatever the ring holds, and the stores)
 
 Both are wgmma (sm_90) only: no RTX card runs them. One H200 run (2026-11-28, BENCHMARKS.md), x cuBLAS
 at the nine shapes: `ws` 0.813-0.873 against the persistent pointer kernel's 0.830-0.907 in the same
@@ -37,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOAD_WARPS, CONSUMER_REGS, LOAD_REGS): no spills (ptxas, sm_90a)
 CONFIG = (128, 256, 64, 4, 4, 216, 72)
+HALVES = ("ws-loads", "ws-mma")      # forms that time one half of ws alone (no product to check)
 
 
 @gluon.jit
@@ -51,8 +55,8 @@ def _tile_of(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 
 @gluon.jit
 def _loader(a_ptr, b_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_am, stride_bn, n_programs,
-            LOAD_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr):
+            LOAD_A: gl.constexpr, PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """Ring position i = (tile, K step) in walk order: wait until buffer i % STAGES is empty, copy, and
     arrive on ready when this thread's copies land (the barrier counts every loader thread)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOAD_WARPS, 1], [1, 0])
@@ -68,9 +72,10 @@ def _loader(a_ptr, b_ptr, a_smem, b_smem, ready, empty, M, N, K, stride_am, stri
         for k0 in range(0, K, BLOCK_K):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1
-            if LOAD_A:
-                cp.async_copy_global_to_shared(a_smem.index(s), a_rows + (k0 + rk)[None, :])
-            cp.async_copy_global_to_shared(b_smem.index(s), b_rows + (k0 + rk)[None, :])
+            if PART != 2:
+                if LOAD_A:
+                    cp.async_copy_global_to_shared(a_smem.index(s), a_rows + (k0 + rk)[None, :])
+                cp.async_copy_global_to_shared(b_smem.index(s), b_rows + (k0 + rk)[None, :])
             cp.mbarrier_arrive(ready.index(s), increment_count=False)
             i += 1
 
@@ -94,8 +99,8 @@ def _own_a(j, a_ptr, a_smem, ready_a, M, N, K, stride_am, n_programs, tiles, k_s
 
 @gluon.jit
 def _consumer(c_ptr, a_ptr, a_smem, b_smem, ready, ready_a, empty, M, N, K, stride_am, stride_cm, n_programs,
-              HALF: gl.constexpr, OWN_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              HALF: gl.constexpr, OWN_A: gl.constexpr, PART: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile. One wgmma group in flight; the
     buffer the previous one read is released as soon as it retires."""
     SUB_M: gl.constexpr = BLOCK_M // 2
@@ -119,8 +124,9 @@ def _consumer(c_ptr, a_ptr, a_smem, b_smem, ready, ready_a, empty, M, N, K, stri
                 a = a_smem.index(s)
             else:
                 a = a_smem.index(s).slice(HALF * SUB_M, SUB_M, dim=0)
-            acc = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if PART != 1:
+                acc = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kstep > 0)
             if OWN_A:
                 _own_a(i + STAGES - 1, a_ptr, a_smem, ready_a, M, N, K, stride_am, n_programs, tiles, k_steps,
@@ -137,10 +143,12 @@ def _consumer(c_ptr, a_ptr, a_smem, b_smem, ready, ready_a, empty, M, N, K, stri
 
 @gluon.jit
 def ws_matmul_kernel(c_ptr, a_ptr, b_ptr, M, N, K, stride_am, stride_bn, stride_cm, n_programs,
-                     OWN_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                     OWN_A: gl.constexpr, PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
-    """c (M, N) = a (M, K) @ b (N, K)^T, K % BLOCK_K == 0, 16-bit, K-contiguous rows."""
+    """c (M, N) = a (M, K) @ b (N, K)^T, K % BLOCK_K == 0, 16-bit, K-contiguous rows. PART 1 (loads
+    only: the consumers skip the wgmma) and 2 (multiplies only: the loader skips the copies) are the
+    two halves timed alone, to see which one bounds the whole; their c is not a product."""
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     SUB_M: gl.constexpr = BLOCK_M // 2
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
@@ -168,11 +176,11 @@ def ws_matmul_kernel(c_ptr, a_ptr, b_ptr, M, N, K, stride_am, stride_bn, stride_
             mbarrier.init(ra1.index(s), count=128)
     gl.warp_specialize([
         (_consumer, (c_ptr, a_ptr, a0, b_smem, ready, ra0, empty, M, N, K, stride_am, stride_cm, n_programs,
-                     gl.constexpr(0), OWN_A, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                     gl.constexpr(0), OWN_A, PART, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_consumer, (c_ptr, a_ptr, a1, b_smem, ready, ra1, empty, M, N, K, stride_am, stride_cm, n_programs,
-                     gl.constexpr(1), OWN_A, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                     gl.constexpr(1), OWN_A, PART, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_loader, (a_ptr, b_ptr, a0, b_smem, ready, empty, M, N, K, stride_am, stride_bn, n_programs,
-                   not OWN_A, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, LOAD_WARPS)),
+                   not OWN_A, PART, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, LOAD_WARPS)),
     ], [4, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])
 
 
@@ -182,10 +190,11 @@ def ws_matmul(c, a, w, form="ws", config=CONFIG, sms=132):
     bm, bn, bk, stages, load_warps, cregs, lregs = config
     if ":" in form:
         form, load_warps = form.split(":")[0], int(form.split(":")[1])
+    part = {"ws-loads": 1, "ws-mma": 2}.get(form, 0)
     (M, K), N = a.shape, w.shape[0]
     assert K % bk == 0 and a.stride(1) == 1 and w.stride(1) == 1 and c.stride(1) == 1
     n = min(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms)
-    ws_matmul_kernel[(n,)](c, a, w, M, N, K, a.stride(0), w.stride(0), c.stride(0), n, OWN_A=form == "sa",
+    ws_matmul_kernel[(n,)](c, a, w, M, N, K, a.stride(0), w.stride(0), c.stride(0), n, OWN_A=form == "sa", PART=part,
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, LOAD_WARPS=load_warps,
                            CONSUMER_REGS=cregs, LOAD_REGS=lregs, num_warps=4)
 
@@ -197,7 +206,8 @@ def compile_only(forms):
                                  "stride_cm", "n_programs"], ["*bf16"] * 3 + ["i32"] * 7)}
     names = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "LOAD_WARPS", "CONSUMER_REGS", "LOAD_REGS"]
     for form in forms:
-        ce = dict(zip(names, CONFIG), OWN_A=form == "sa", GROUP_M=8)
+        base = form.split(":")[0]
+        ce = dict(zip(names, CONFIG), OWN_A=base == "sa", GROUP_M=8, PART={"ws-loads": 1, "ws-mma": 2}.get(base, 0))
         if ":" in form:
             ce["LOAD_WARPS"] = int(form.split(":")[1])
         attrs = {(x,): [["tt.divisibility", 16]] for x in (0, 1, 2, 4, 5, 6, 7, 8)}
@@ -226,7 +236,7 @@ def main():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
         ref = a.double() @ w.double().t()
         row = [f"torch {relerr(a @ w.t(), ref):.1e}"]
-        for form in forms:
+        for form in (f for f in forms if f.split(":")[0] not in HALVES):
             c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             ws_matmul(c, a, w, form, sms=sms)
             row.append(f"{form} {relerr(c, ref):.1e}")
@@ -238,11 +248,14 @@ def main():
         t_cub = bench(lambda: torch.mm(x, w.t(), out=ref))
         row = [f"persist1 {t_cub / bench(lambda: launch('persist1', '128x256x64w8s4', c, x, w, sms)):.3f}"]
         for form in forms:
-            c.fill_(float("nan"))
-            ws_matmul(c, x, w, form, sms=sms)
-            err = relerr(c, ref)
-            row.append(f"{form} BAD {err:.0e}" if not err < 2e-2 else
-                       f"{form} {t_cub / bench(lambda: ws_matmul(c, x, w, form, sms=sms)):.3f}")
+            try:
+                c.fill_(float("nan"))
+                ws_matmul(c, x, w, form, sms=sms)
+                err = 0.0 if form.split(":")[0] in HALVES else relerr(c, ref)
+                row.append(f"{form} BAD {err:.0e}" if not err < 2e-2 else
+                           f"{form} {t_cub / bench(lambda: ws_matmul(c, x, w, form, sms=sms)):.3f}")
+            except Exception as e:  # noqa: BLE001 (a form that does not launch: say so, go on)
+                row.append(f"{form} ERR {type(e).__name__}: {str(e)[:80]}")
         print(f"{name:20s} " + " | ".join(row), flush=True)
 
 

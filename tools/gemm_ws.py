@@ -20,13 +20,14 @@ Forms:
   ws-loads  ws without the wgmmas (the loads and the ring's signalling alone)
   ws-mma    ws without the copies (the wgmmas on whatever the ring holds, and the stores)
 
-Both are wgmma (sm_90) only: no RTX card runs them. One H200 run (2026-11-28, BENCHMARKS.md), x cuBLAS
-at the nine shapes: `ws` 0.813-0.873 against the persistent pointer kernel's 0.830-0.907 in the same
-run; `sa` 0.652-0.676; `ws` with 2 loader warps 0.457-0.538, with 1 warp 0.242-0.312: the loader's
-cp.async issue is what binds (3,072 16-byte copies per 128 x 256 x 64 step), and 8 loader warps do not
-compile (512 threads cap ptxas at 128 registers; the 64 x 256 wgmma needs 154). Taking the CTA
-barriers out does not lift pointer loads past ~0.9x cuBLAS on Hopper, so lean keeps
-`_matmul_kmajor_kernel`. Standalone: nothing of lean is imported but gemm_forms' persistent launch.
+Both are wgmma (sm_90) only: no RTX card runs them. H200 runs (2026-11-28, BENCHMARKS.md), x cuBLAS
+at the nine shapes: `ws` 0.79-0.87 against the persistent pointer kernel's 0.83-0.91 in the same
+runs; `sa` 0.65-0.68; `ws` with 2 / 1 loader warps 0.46-0.54 / 0.24-0.31 (8 do not compile: 512
+threads cap ptxas at 128 registers, the 64 x 256 wgmma needs 154). Each half alone outruns cuBLAS:
+`ws-loads` 1.44-1.85x, `ws-mma` 1.07-1.32x; together 0.79-0.86x. What binds is neither half nor the
+barriers but the two at once, which fits cp.async's writes (through the load/store unit) and wgmma's
+reads contending for the SM's shared memory; cuBLAS's TMA writes do not take that path. Not proven
+(no profiler here). lean keeps `_matmul_kmajor_kernel`. Standalone: nothing of lean is imported but gemm_forms' persistent launch.
 """
 import argparse
 import os

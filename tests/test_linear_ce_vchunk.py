@@ -70,9 +70,10 @@ def test_close_to_reference(dtype, N, V, C, chunk_v, grad_scale, ignore_index):
     ulp = 2.0 ** (-23 if dtype == torch.float32 else -10 if dtype == torch.float16 else -7)
     err = (dh.float() - ref_dh.float()).abs().max().item()
     if dh.is_cuda and dtype == torch.float32 and V >= 16384:
-        # each kernel sums V fp32 products per element in one accumulator: both land up to 5e-5 of
-        # max|dh| from fp64 at these V (test_linear_ce's known gap), so up to 1e-4 from each other
-        assert err <= 1e-4 * ref_dh.float().abs().max().item(), err
+        # fp32 on the GPU sums each element's V products on CUDA cores in its own order (slices of
+        # gemm.IEEE_STEPS K steps, then the chunks): each kernel is held to the fp32 rule (1e-5 of
+        # max|dh| from fp64; test_linear_ce), so the two lie within twice that of each other
+        assert err <= 2e-5 * ref_dh.float().abs().max().item(), err
     else:
         # a few roundings of dh's largest, and one more per vocab chunk (its partial sums are added in
         # another order: seed 482218300 gave 4.7 at V 2053 in 3 chunks)

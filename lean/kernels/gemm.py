@@ -78,7 +78,7 @@ def dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, str
     fp32 inputs ("ieee"): each slice of IEEE_STEPS K steps is summed into a fresh fp32 partial, then
     added to the tile, so no accumulator takes more than IEEE_STEPS * BLOCK_K + K / (IEEE_STEPS *
     BLOCK_K) rounded additions. One accumulator over K = 151,936 (linear+CE's dh at Qwen's vocabulary)
-    put lean's fp32 dh up to 5.2e-5 of max|dh| from fp64 on the H200, cuBLAS's ~0.5e-5."""
+    put lean's fp32 dh up to 5.2e-5 of max|dh| from fp64 on the H200 (cuBLAS 6.3e-6; sliced 2.5e-6)."""
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N

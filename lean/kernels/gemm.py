@@ -18,15 +18,12 @@ Because a and b are strided views, the transposes a LoRA model needs cost no cop
 
 Nothing is saved (the op has no backward of its own: its gradients are two more matmuls).
 
-Program order: a 1-D grid, tiles "grouped" GROUP_M row-blocks at a time (Triton tutorial 03), so
-consecutive programs share b's column panel and a's row panels in L2.
+Program order: tiles "grouped" GROUP_M row-blocks at a time (Triton tutorial 03), for L2 reuse.
 
-Supported: every M, N, K >= 0 (K == 0 gives bias [+ c]); bf16/fp16 inputs use the tensor cores
-with fp32 accumulation; fp32 inputs use exact IEEE fp32 products (input_precision="ieee", not
-tf32), slow on a GPU, meant for tests and small fp32 reductions.
-Tested: tests/test_gemm.py: fp32 and fp16 (CPU interpreter), bf16 (H100), odd sizes, transposed
-views of a and b, bias, accumulate, alpha, rejection of bad arguments; the TMA kernel in fp16 under
-the interpreter (its choice forced) and bf16 on the GPU.
+Supported: every M, N, K >= 0 (K == 0 gives bias [+ c]); bf16/fp16 on the tensor cores, fp32
+accumulation; fp32 inputs as exact IEEE products summed in K slices (dot_tile), for tests and small
+fp32 reductions. Tested: tests/test_gemm.py, fp32/fp16 under the interpreter, bf16 on the GPU: odd
+sizes, transposed views, bias, accumulate, alpha, bad arguments, the TMA kernel (forced on the CPU).
 Three main loops. On the Hopper path (arch.py: sm_90/sm_100), for 16-bit row-major a, TMA-describable
 a and b (16-byte aligned base and row stride), TMA_MIN_MACS and at least a wave of 128 x 256 tiles:
 _matmul_tma_kernel, tiles loaded by TMA, one persistent program per SM walking the tiles; fewer
@@ -73,12 +70,9 @@ def dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, str
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """The fp32 (BLOCK_M, BLOCK_N) tile a[rm, :] @ b[:, rn] of a (M, K) @ b (K, N), strided views:
     _matmul_kernel's main loop (pointers advanced each K step, edges masked). Shared with
-    lora_linear.py's backward kernel on a pre-pass.
-
-    fp32 inputs ("ieee"): each slice of IEEE_STEPS K steps is summed into a fresh fp32 partial, then
-    added to the tile, so no accumulator takes more than IEEE_STEPS * BLOCK_K + K / (IEEE_STEPS *
-    BLOCK_K) rounded additions. One accumulator over K = 151,936 (linear+CE's dh at Qwen's vocabulary)
-    put lean's fp32 dh up to 5.2e-5 of max|dh| from fp64 on the H200 (cuBLAS 6.3e-6; sliced 2.5e-6)."""
+    lora_linear.py's backward kernel on a pre-pass. fp32 ("ieee"): each slice of IEEE_STEPS K steps
+    sums into a fresh partial, added to the tile (linear+CE's fp32 dh over V = 151,936, H200: one
+    accumulator up to 5.2e-5 of max|dh| from fp64, sliced 2.5e-6, cuBLAS 6.3e-6)."""
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
@@ -242,16 +236,11 @@ def _matmul_tma_kernel(
 # Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 16-bit inputs, per
 # arch tier (lean/kernels/arch.py); every entry fits its arch's shared memory by the compiler's own
 # measure (tests/test_arch.py compiles each one for sm_80/86/89/90/100/120/121).
-# sm90 (H100, tuned). Evidence: tools/gemm_tune.py --sweep, bf16, M = 8192 tokens, the nine
-# Qwen3-0.6B / Llama-3.2-1B projection shapes, one H100 (Triton 3.6, torch 2.11 / cuBLAS):
-#   y = x W^T (b = w.t(), K-contiguous) on _matmul_kmajor_kernel: 128x256x64 w8 s4 0.83-0.95x cuBLAS,
-#     geometric mean 0.87x, over 11 candidates (s3 0.86x, 256x128 0.81x, 128x256x128 s2 0.61x;
-#     GROUP_M 4 or 16 and masked loads within 1%), 2026-11-27. The per-tile _matmul_kernel in this
-#     layout ran 0.66-0.76x at its best tile (256x128x64 w8 s3; its 128x256 wgmmas serialise, C7515).
-#   dx = dy W (b row-major) on _matmul_kernel: 128x256x64 w8 s4 0.84-0.99x cuBLAS (geometric mean
-#     0.91x); the persistent loop nest above 0.80-0.96x (0.87x) in this layout, so it stays per-tile.
-# sm80 (A100, 166,912 B): the sm90 tiles, 147,456 B at most; sm86 (RTX 30/40/50, DGX Spark: 101,376
-# B): 128x256x64 at 3 stages, 98,304 B, no spills (ptxas, Triton 3.6). Both untuned.
+# sm90 (H100, tuned; tools/gemm_tune.py --sweep, bf16, M = 8192, the nine Qwen3-0.6B / Llama-3.2-1B
+# projection shapes, 2026-11-27): x W^T on _matmul_kmajor_kernel 128x256x64 w8 s4 0.83-0.95x cuBLAS
+# (geomean 0.87x; best of 11; the per-tile kernel 0.66-0.76x, its 128x256 wgmmas serialise, C7515);
+# dy W on _matmul_kernel 0.84-0.99x (0.91x; the persistent nest 0.87x). Why not 0.9x: BENCHMARKS.md.
+# sm80 (A100): the sm90 tiles (147,456 B); sm86 (RTX 30/40/50, DGX Spark): 3 stages, 98,304 B. Untuned.
 TILES = {
     "sm90": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
     "sm80": {"kmajor": (128, 256, 64, 8, 4), "wide": (128, 256, 64, 8, 4), "small": (64, 128, 64, 4, 4)},
@@ -272,11 +261,9 @@ GROUP_M = 8
 # medians: x W^T 567-645 TF/s (0.94-1.03x cuBLAS; the pointer kernel above 448-519, 0.74-0.79x),
 # dy W 449-665 (0.88-0.98x; pointer 440-640). s3 vs s4 within 5%, s3 ahead on 6 of 9 x W^T shapes.
 _TMA = (128, 256, 64, 8, 3)
-# FLAT (TMA_FLAT): the tile loop flattened into the K loop, tiles stored by TMA. H200, bf16,
-# tools/gemm_forms.py (x cuBLAS): the nine shapes 0.912-1.010 -> 0.959-1.043, the lm_head's logits
-# chunks 0.993 -> 1.035 (C 2048) and 0.968 -> 0.989 (C 1024). x W^T only (dy W flattened needs
-# 278,552 B), sm_90 only (timed there), 3 stages only (the staged tile). Not in lora_linear_pre.py's
-# forward, where it measured 10-20% slower (BENCHMARKS.md). LEAN_TMA_FLAT=0: the A/B switch.
+# FLAT (TMA_FLAT): the tile loop flattened into the K loop, tiles stored by TMA (H200, gemm_forms.py:
+# nine shapes 0.912-1.010 -> 0.959-1.043x cuBLAS, logits chunks +2-5%). x W^T only (dy W flattened
+# needs 278,552 B), sm_90 only, 3 stages. LEAN_TMA_FLAT=0: the A/B switch.
 TMA_FLAT = os.environ.get("LEAN_TMA_FLAT", "1") != "0"
 TMA_FLAT_ARCHS = ("sm_90", "interpreter")
 
@@ -286,13 +273,10 @@ def tma_flat(device):
     return TMA_FLAT and arch(device).name in TMA_FLAT_ARCHS
 
 
-# A TMA launch costs the host ~45 us more than a pointer one (the launcher encodes a tensor map
-# per descriptor; H100 host, Triton 3.6): Qwen3-0.6B's eager step, host-bound already, ran 110-150
-# ms with TMA kernels for every projection against 94-132 ms without (interleaved rounds,
-# tools/step_levers.py eager). So the TMA main loops serve GEMMs of at least TMA_MIN_MACS
-# multiply-adds only (Llama-3.2-1B q/o and MLP, the lm_head chunks: ~90 us of GPU time and more),
-# A captured step pays that host time once, at capture: lean.StepGraph warms up and captures
-# inside tma_at_every_size(), so the warm-up compiles the very kernels the capture records.
+# A TMA launch costs the host ~45 us more than a pointer one (a tensor map per descriptor; Qwen3-0.6B's
+# host-bound eager step 110-150 ms with TMA everywhere, 94-132 without), so eager TMA serves GEMMs of
+# at least TMA_MIN_MACS multiply-adds (Llama-3.2-1B q/o and MLP, the lm_head chunks). A captured step
+# pays it once: lean.StepGraph warms up and captures inside tma_at_every_size().
 TMA_MIN_MACS = 2**35
 _TMA_MIN = {"macs": TMA_MIN_MACS}  # the threshold in force (tma_at_every_size lowers it)
 

@@ -13,8 +13,9 @@
 #                                   # Two parts, two device calls: each cap fits one call's 600 s. NVLink
 #                                   # multicast stays off in both (NCCL_NVLS_ENABLE=0 ...)
 #   TEST_GPUS=2,3 TEST_WORKERS=10 tools/gpu_check.sh tests   # the tests' workers spread over cards 2, 3
-#   TEST_PART=1/2 tools/gpu_check.sh tests   # half of the GPU test files (then 2/2): one H100 no longer
-#                                   # runs the whole suite inside one call's 560 s
+#   TEST_PART=1/3 tools/gpu_check.sh tests   # a third of the GPU test files (then 2/3, 3/3): one GPU no
+#                                   # longer runs the suite in one call (one H200, 2026-11-28: part 1/2
+#                                   # 313 s with 10 workers, part 2/2 past 500 s)
 #   tools/gpu_check.sh --portable tests   # any part with LEAN_PORTABLE=1: the portable path (pointer
 #                                   # loads, no TMA: the code an RTX / A100 card runs) on this GPU; its
 #                                   # logs get a -portable suffix (tests-portable.log, ...)

@@ -43,7 +43,7 @@ from gemm_tune import N_TOKENS, SHAPES, relerr  # noqa: E402  (the nine shapes, 
 CONFIGS = ["128x256x64w8s4", "128x256x64w8s3", "256x128x64w8s3", "128x128x64w4s3", "128x128x64w8s3",
            "128x128x64w4s4", "128x128x32w4s5", "128x128x128w8s2", "128x64x64w4s4", "64x256x64w4s4",
            # BLOCK_K 128 at three stages (196,608 B on sm_90): half the CTA barriers per K of the
-           # 64-wide steps (the pointer loop syncs the CTA twice a step; BENCHMARKS.md), untimed
+           # 64-wide steps; H200: 0.68-0.80x against 0.84-0.96x (the barriers do not bind: gemm_ws.py)
            "128x128x128w8s3", "128x128x128w4s3", "128x256x128w8s2"]
 FORMS = ["persist1", "persist2", "tile", "persist2nk", "pflat"]
 TMA_FORMS = ["tma", "tmaflat", "tmastore", "tmaflatstore"]     # Hopper only; not in the default run

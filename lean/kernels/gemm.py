@@ -15,7 +15,6 @@ Because a and b are strided views, the transposes a LoRA model needs cost no cop
     y  = x W^T      matmul(y, x, w.t())        w: HF weight (O, K)
     dx = dy W       matmul(dx, dy, w)
     dW = dy^T x     matmul(dw, dy.t(), x)
-
 Nothing is saved (the op has no backward of its own: its gradients are two more matmuls).
 
 Program order: tiles "grouped" GROUP_M row-blocks at a time (Triton tutorial 03), for L2 reuse.
@@ -68,11 +67,9 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 def dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """The fp32 (BLOCK_M, BLOCK_N) tile a[rm, :] @ b[:, rn] of a (M, K) @ b (K, N), strided views:
-    _matmul_kernel's main loop (pointers advanced each K step, edges masked). Shared with
-    lora_linear.py's backward kernel on a pre-pass. fp32 ("ieee"): each slice of IEEE_STEPS K steps
-    sums into a fresh partial, added to the tile (linear+CE's fp32 dh over V = 151,936, H200: one
-    accumulator up to 5.2e-5 of max|dh| from fp64, sliced 2.5e-6, cuBLAS 6.3e-6)."""
+    """The fp32 (BLOCK_M, BLOCK_N) tile a[rm, :] @ b[:, rn] of a (M, K) @ b (K, N), strided views, edges
+    masked: _matmul_kernel's main loop, and lora_linear.py's backward on a pre-pass. fp32 ("ieee") sums
+    each slice of IEEE_STEPS K steps into a fresh partial (one accumulator: test_linear_ce's note)."""
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
@@ -82,24 +79,28 @@ def dot_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, str
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRECISION == "ieee":
         for k1 in range(0, K, IEEE_STEPS * BLOCK_K):
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k1, tl.minimum(K, k1 + IEEE_STEPS * BLOCK_K), BLOCK_K):
-                k_ok = rk < K - k0
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                part = tl.dot(a, b, part, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+            part, a_ptrs, b_ptrs = _k_steps(tl.zeros_like(acc), a_ptrs, b_ptrs, rk, m_ok, n_ok, k1,
+                                            tl.minimum(K, k1 + IEEE_STEPS * BLOCK_K), K, stride_ak, stride_bk,
+                                            BLOCK_K, PRECISION)
             acc += part
     else:
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = rk < K - k0
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        acc, a_ptrs, b_ptrs = _k_steps(acc, a_ptrs, b_ptrs, rk, m_ok, n_ok, 0, K, K, stride_ak, stride_bk,
+                                       BLOCK_K, PRECISION)
     return acc
+
+
+@triton.jit
+def _k_steps(acc, a_ptrs, b_ptrs, rk, m_ok, n_ok, k_lo, k_hi, K, stride_ak, stride_bk,
+             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """dot_tile's K steps k_lo, k_lo + BLOCK_K, ... below k_hi into acc; returns acc and the advanced pointers."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, a_ptrs, b_ptrs
 
 
 @triton.jit
@@ -232,7 +233,6 @@ def _matmul_tma_kernel(
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------
 # Launch configuration: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 16-bit inputs, per
 # arch tier (lean/kernels/arch.py); every entry fits its arch's shared memory by the compiler's own
 # measure (tests/test_arch.py compiles each one for sm_80/86/89/90/100/120/121).

@@ -287,27 +287,15 @@ def test_attention_gpu_config_tables(monkeypatch):
     # pointer and TMA tables gives blocks that nest (config raises otherwise) and comes from its table.
     from lean.kernels import attention_config as AC
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(AC, "PACKED", {})
     for kernel in ("fwd", "dkdv", "dq"):
         for block_d in (64, 128, 256):
-            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096) == AC.TABLES[kernel][block_d] + (1,)
+            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096) == AC.TABLES[kernel][block_d]
         for block_d in (64, 128):
-            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096, tma=True) == AC.TMA_TABLES[kernel][block_d] + (1,)
-        assert AC.config(kernel, 64, torch.float32, 8192, 4096) == AC.FP32_CONFIG[kernel] + (1,)
+            assert AC.config(kernel, block_d, torch.bfloat16, 8192, 4096, tma=True) == AC.TMA_TABLES[kernel][block_d]
+        assert AC.config(kernel, 64, torch.float32, 8192, 4096) == AC.FP32_CONFIG[kernel]
         with pytest.raises(ValueError, match="tuned for D = \\[64, 128\\] only \\(got D = 32\\)"):
             AC.config(kernel, 32, torch.bfloat16, 8192, 4096, tma=True)
         assert AC.grid(kernel, 8, 100) == ((8, 100) if AC.SORTED[kernel] else (100, 8))
-    # GQA packing: PACKED's row where its PACK divides the group, on both loops of the wgmma tiers;
-    # the plain tables at odd groups, on the mma.sync tiers and in fp32
-    monkeypatch.setattr(AC, "PACKED", {"fwd": {128: (64, 64, 8, 3, 2)}, "dq": {128: (64, 32, 8, 2, 4)}})
-    for tma in (False, True):
-        assert AC.config("fwd", 128, torch.bfloat16, 8192, 4096, tma=tma, group=4) == (64, 64, 8, 3, 2)
-        assert AC.config("dq", 128, torch.bfloat16, 8192, 4096, tma=tma, group=8) == (64, 32, 8, 2, 4)
-        assert AC.config("dq", 128, torch.bfloat16, 8192, 4096, tma=tma, group=2)[4] == 1
-        assert AC.config("fwd", 128, torch.bfloat16, 8192, 4096, tma=tma, group=3)[4] == 1
-        assert AC.config("fwd", 128, torch.bfloat16, 8192, 4096, tma=tma, tier="sm86", group=4)[4] == 1
-    assert AC.config("fwd", 64, torch.bfloat16, 8192, 4096, group=4)[4] == 1
-    assert AC.config("fwd", 128, torch.float32, 8192, 4096, group=4)[4] == 1
 
 
 def test_attention_tma_rejects_unfit_heads():
@@ -510,7 +498,7 @@ def test_attention_window_visits_only_tiles_in_the_window():
     q, k, v, do, cu = _inputs(lengths, H, KVH, D, torch.float32, g)
 
     def expected(kernel, window):
-        q_block, k_block, _, _, pack = AC.config(kernel, D, torch.float32, max(lengths), H * D, group=H // KVH)
+        q_block, k_block = AC.INTERPRET_CONFIG[kernel][:2]
         n = 0
         for L in lengths:
             i = torch.arange(L)[:, None]
@@ -519,7 +507,7 @@ def test_attention_window_visits_only_tiles_in_the_window():
             for a in range(0, L, q_block):
                 for b in range(0, L, k_block):
                     n += bool(vis[a:a + q_block, b:b + k_block].any())
-        return n * H // pack  # forward and dq: PACK query heads a step (attention_config.PACKED)
+        return n * H
 
     counts = {}
     for window in (0, 5, 16):

@@ -5,7 +5,6 @@
     python tools/attn_tune.py --sweep --compile-only   # fill Triton's cache in parallel workers
     python tools/attn_tune.py --tma [--sweep]  # the TMA loops (a captured step's) and their table
     python tools/attn_tune.py --split          # the backward at each dk/dv split (DKDV_SPLIT), per model
-    python tools/attn_tune.py --tma --pack qwen3-0.6b,llama3.2-1b   # GQA packing rows (PACKED) vs the tables
 
 Cases: N = 8192 tokens packed from documents with exponential lengths (mean 512, fixed seed), bench
 step's packed batch and 4 x 2048, for H=16/KVH=8/D=128 and H=32/KVH=8/D=64. FLOPs count causal work only:
@@ -257,85 +256,6 @@ def split_sweep():
             torch.cuda.empty_cache()
 
 
-# GQA packing (attention_config.PACKED): (H, KVH, D) of the models, and the forward / dq configs
-# (BLOCK_M positions, BLOCK_N, warps, stages, PACK) raced at each head dim (PACK = 1: the tables')
-PACK_HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128),
-              "llama3.2-1b": (32, 8, 64), "gpt-oss-20b": (64, 8, 64)}
-PACK_SWEEP = {
-    ("fwd", 128): [(64, 64, 8, 3, 2), (64, 64, 8, 2, 2), (64, 64, 4, 3, 2), (64, 32, 8, 3, 2),
-                   (32, 32, 4, 3, 2), (32, 32, 8, 3, 4), (64, 64, 8, 2, 4), (32, 32, 4, 3, 4)],
-    ("dq", 128): [(64, 64, 8, 2, 2), (64, 64, 8, 3, 2), (64, 32, 8, 3, 2), (64, 64, 4, 2, 2),
-                  (32, 32, 4, 3, 2), (32, 32, 8, 3, 4), (32, 32, 4, 3, 4), (64, 32, 8, 2, 4)],
-    ("fwd", 64): [(64, 64, 8, 3, 2), (64, 64, 4, 3, 2), (32, 32, 4, 3, 4), (64, 64, 8, 3, 4),
-                  (32, 32, 8, 3, 4), (64, 32, 8, 3, 2)],
-    ("dq", 64): [(64, 64, 8, 3, 2), (64, 64, 4, 3, 2), (32, 32, 4, 3, 4), (64, 64, 8, 3, 4),
-                 (32, 32, 8, 3, 4), (64, 32, 8, 3, 2)],
-}
-
-
-def _pack_jobs(models):
-    for model in models:
-        H, KVH, D = PACK_HEADS[model]
-        for kernel in ("fwd", "dq"):
-            for cfg in [None] + PACK_SWEEP[kernel, D]:
-                if cfg is None or (H // KVH) % cfg[4] == 0:
-                    yield model, kernel, cfg
-
-
-def _pack_run(job, time_it=True):
-    """One (model, kernel, PACKED row or None) on every case: {case: graph-median ms} or an error."""
-    model, kernel, cfg = job
-    H, KVH, D = PACK_HEADS[model]
-    AC.PACKED.clear()
-    if cfg is not None:
-        AC.PACKED[kernel] = {D: cfg}
-    out = {}
-    try:
-        for name, lengths in CASES.items():
-            t = make(lengths, H, KVH, D)
-            lean_fwd(t)
-            lean_bwd(t)
-            fn = (lambda: lean_fwd(t)) if kernel == "fwd" else (lambda: lean_bwd(t))
-            torch.cuda.synchronize()
-            if time_it:
-                out[name] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-                out["diff"] = max(out.get("diff", 0.0), _max_rel_diff(t))
-            del t
-    except Exception as e:  # noqa: BLE001  (out of shared memory / registers: report and go on)
-        return f"{type(e).__name__}: {str(e)[:100]}"
-    finally:
-        AC.PACKED.clear()
-    return out
-
-
-def _pack_compile(job):
-    TMA["on"] = job[-1]
-    return _pack_run(job[:-1], time_it=False)
-
-
-def pack_sweep(models, workers):
-    """Forward and backward (delta + dk/dv + dq) CUDA-graph medians with each PACKED row of the
-    kernel against the plain tables (PACK = 1), per model's heads; compiled in parallel first."""
-    import multiprocessing as mp
-    jobs = list(_pack_jobs(models))
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for job, res in zip(jobs, ex.map(_pack_compile, [j + (TMA["on"],) for j in jobs])):
-            if isinstance(res, str):
-                print("compile failed", job, res)
-    base = {}
-    for job in jobs:
-        res = _pack_run(job)
-        if isinstance(res, str):
-            print(f"pack {job[0]:<14} {job[1]:<3} {job[2]}: {res}", flush=True)
-            continue
-        diff = res.pop("diff")
-        total = sum(res.values())
-        base.setdefault(job[:2], total)
-        shown = "  ".join(f"{c} {ms:.3f}" for c, ms in res.items())
-        print(f"pack {job[0]:<14} {job[1]:<3} {str(job[2] or 'tables'):<20} {shown}  sum {total:.3f} "
-              f"({base[job[:2]] / total:.3f}x)  diff {diff:.1e}{'  MISMATCH' if diff > 5e-2 else ''}", flush=True)
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -345,14 +265,8 @@ if __name__ == "__main__":
     ap.add_argument("--no-compare", action="store_true", help="skip the comparison with torch's flash")
     ap.add_argument("--tma", action="store_true", help="time (and sweep) the TMA loops: lean's path in a captured step")
     ap.add_argument("--split", action="store_true", help="time the backward at each dk/dv split (DKDV_SPLIT)")
-    ap.add_argument("--pack", default="", help="models (PACK_HEADS, comma-separated): race PACKED rows (GQA packing)")
     args = ap.parse_args()
     TMA["on"] = args.tma
-    if args.pack:
-        print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, "
-              f"{'TMA' if args.tma else 'pointer'} loops")
-        pack_sweep(args.pack.split(","), args.workers)
-        sys.exit(0)
     if args.split:
         print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
         split_sweep()

@@ -193,23 +193,6 @@ def _load_rows(base, rows, stride, seqlen, offs_d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _pack_rows(start_m, h0, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
-    """A forward / dq tile's rows: PACK query heads h0, h0 + 1, ... (one kv head's) stacked head
-    after head, each a block of BLOCK_M query positions from start_m. Returns (position, head) of
-    each of the BLOCK_M * PACK rows; PACK = 1 is one head's block."""
-    r = tl.arange(0, BLOCK_M * PACK)
-    return start_m + r % BLOCK_M, h0 + r // BLOCK_M
-
-
-@triton.jit
-def _load_head_rows(base, rows, heads, stride, stride_h, seqlen, offs_d, HEAD_DIM: tl.constexpr):
-    """_load_rows with a head per row (a _pack_rows tile): base points at the document's first row."""
-    mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    return tl.load(base + rows[:, None] * stride + heads[:, None] * stride_h + offs_d[None, :], mask=mask,
-                   other=0.0)
-
-
-@triton.jit
 def _loop_rows(src, row0, col, rows, stride, seqlen, offs_d, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
     """The (len(rows), BLOCK_D) tile a loop step reads. TMA: src is a descriptor over the (N,
     heads * D) view, read at absolute row row0 = document start + rows[0] and column col = head * D
@@ -301,14 +284,14 @@ def _attention_fwd_kernel(
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
     SINKS: tl.constexpr, WINDOW: tl.constexpr,       # a sink logit per head; sliding window (0: off)
-    PACK: tl.constexpr,                              # query heads a program (of one kv head): _pack_rows
 ):
-    pid_m, seq_start, seqlen, hp = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
+    pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen:
         return
     tok0 = seq_start.to(tl.int64)
-    kvh = hp * PACK // GROUP
+    kvh = h // GROUP
+    q_base = q_ptr + tok0 * stride_qn + h * stride_qh
     if TMA:
         k_base, v_base = k_src, v_src
     else:
@@ -316,18 +299,17 @@ def _attention_fwd_kernel(
         v_base = v_src + tok0 * stride_vn + kvh * stride_vh
     qk_scale = scale * _LOG2E
 
-    offs_m, heads = _pack_rows(start_m, hp * PACK, BLOCK_M, PACK)      # (BM * PACK,) each
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_head_rows(q_ptr + tok0 * stride_qn, offs_m, heads, stride_qn, stride_qh, seqlen, offs_d,
-                        HEAD_DIM)                                                # (BM * PACK, BD)
+    q = _load_rows(q_base, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM)             # (BM, BD)
     if SINKS:  # the sink is a key of score `sink` and no value: the softmax starts from it
-        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * _LOG2E
-        l_i = tl.full([BLOCK_M * PACK], 1.0, tl.float32)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
-        m_i = tl.full([BLOCK_M * PACK], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * PACK], tl.float32)
-    acc = tl.zeros([BLOCK_M * PACK, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full = _key_blocks(start_m, BLOCK_M, BLOCK_N, WINDOW)
     if WINDOW > 0:
         for start_n in range(lo, full, BLOCK_N):               # the window's edge: masked
@@ -344,11 +326,11 @@ def _attention_fwd_kernel(
                                   HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
     o = acc / l_i[:, None]
-    o_ptrs = o_ptr + tok0 * stride_on + heads[:, None] * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    o_ptrs = o_ptr + tok0 * stride_on + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM))
     lse = (m_i + tl.math.log2(l_i)) * _LN2
-    tl.store(lse_ptr + heads * N + seq_start + offs_m, lse, mask=offs_m < seqlen)
+    tl.store(lse_ptr + h * N + seq_start + offs_m, lse, mask=offs_m < seqlen)
 
 
 @triton.jit
@@ -452,14 +434,13 @@ def _attention_bwd_dq_kernel(
     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,   # TMA: k_src, v_src are descriptors
     SORTED: tl.constexpr,                            # the walk's order and grid: _query_program
     WINDOW: tl.constexpr,                            # sliding window (0: off); sinks live in lse
-    PACK: tl.constexpr,                              # query heads a program (of one kv head): _pack_rows
 ):
-    pid_m, seq_start, seqlen, hp = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
+    pid_m, seq_start, seqlen, h = _query_program(cu_ptr, B, BLOCK_M, BLOCK_B, SORTED)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen:
         return
     tok0 = seq_start.to(tl.int64)
-    kvh = hp * PACK // GROUP
+    kvh = h // GROUP
     if TMA:
         k_base, v_base = k_src, v_src
     else:
@@ -467,16 +448,15 @@ def _attention_bwd_dq_kernel(
         v_base = v_src + tok0 * stride_vn + kvh * stride_vh
     qk_scale = scale * _LOG2E
 
-    offs_m, heads = _pack_rows(start_m, hp * PACK, BLOCK_M, PACK)      # (BM * PACK,) each
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_head_rows(q_ptr + tok0 * stride_qn, offs_m, heads, stride_qn, stride_qh, seqlen, offs_d, HEAD_DIM)
-    do = _load_head_rows(do_ptr + tok0 * stride_don, offs_m, heads, stride_don, stride_doh, seqlen, offs_d,
-                         HEAD_DIM)
+    q = _load_rows(q_ptr + tok0 * stride_qn + h * stride_qh, offs_m, stride_qn, seqlen, offs_d, HEAD_DIM)
+    do = _load_rows(do_ptr + tok0 * stride_don + h * stride_doh, offs_m, stride_don, seqlen, offs_d, HEAD_DIM)
     row_ok = offs_m < seqlen
-    lse2 = tl.load(lse_ptr + heads * N + seq_start + offs_m, mask=row_ok, other=float("inf")) * _LOG2E
-    delta = tl.load(delta_ptr + heads * N + seq_start + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M * PACK, BLOCK_D], tl.float32)
+    lse2 = tl.load(lse_ptr + h * N + seq_start + offs_m, mask=row_ok, other=float("inf")) * _LOG2E
+    delta = tl.load(delta_ptr + h * N + seq_start + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full = _key_blocks(start_m, BLOCK_M, BLOCK_N, WINDOW)
     if WINDOW > 0:
         for start_n in range(lo, full, BLOCK_N):               # the window's edge: masked
@@ -492,7 +472,7 @@ def _attention_bwd_dq_kernel(
                       stride_kn, stride_vn, offs_m, start_n + offs_n, offs_d, seqlen, qk_scale,
                       HEAD_DIM, True, PRECISION, TMA, WINDOW)
 
-    dq_ptrs = dq_ptr + tok0 * stride_dqn + heads[:, None] * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
+    dq_ptrs = dq_ptr + tok0 * stride_dqn + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
@@ -595,18 +575,17 @@ def attention_fwd(o, lse, q, k, v, cu_seqlens, max_seqlen, scale, *, sinks=None,
     if N == 0:
         return
     use_tma = _use_tma(tma, D, k, v)
-    BLOCK_M, BLOCK_N, warps, stages, pack = config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma,
-                                                   arch(q.device).tier, H // KVH)
+    BLOCK_M, BLOCK_N, warps, stages = config("fwd", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     B = cu_seqlens.shape[0] - 1
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_fwd_kernel[grid("fwd", H // pack, _n_items(N, B, max_seqlen, BLOCK_M))](
+    _attention_fwd_kernel[grid("fwd", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         o, lse, q, k_src, v_src, cu_seqlens, q if sinks is None else sinks,
         o.stride(0), o.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, SORTED=SORTED["fwd"],
-        SINKS=sinks is not None, WINDOW=window, PACK=pack, num_warps=warps, num_stages=stages)
+        SINKS=sinks is not None, WINDOW=window, num_warps=warps, num_stages=stages)
 
 
 def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, *, sinks=None,
@@ -638,8 +617,7 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, num_warps=4)
 
     use_tma = _use_tma(tma, D, q, k, v, do)
-    BLOCK_M, BLOCK_N, warps, stages, _ = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma,
-                                                arch(q.device).tier)
+    BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
     S = dkdv_split(H // KVH, D, window)
     part = torch.empty((2, S, N, KVH, D), dtype=torch.float32, device=dev) if S > 1 else dk  # dk, dv partials
@@ -657,13 +635,12 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         if rows is None:
             out.copy_(packed.view(N, KVH, D))
 
-    BLOCK_M, BLOCK_N, warps, stages, pack = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma,
-                                                   arch(q.device).tier, H // KVH)
+    BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-    _attention_bwd_dq_kernel[grid("dq", H // pack, _n_items(N, B, max_seqlen, BLOCK_M))](
+    _attention_bwd_dq_kernel[grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
         dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
         dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N, B, H // KVH, float(scale),
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-        TMA=use_tma, SORTED=SORTED["dq"], WINDOW=window, PACK=pack, num_warps=warps, num_stages=stages)
+        TMA=use_tma, SORTED=SORTED["dq"], WINDOW=window, num_warps=warps, num_stages=stages)

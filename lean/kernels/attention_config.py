@@ -36,10 +36,8 @@ DKDV_CONFIG = {64: (32, 64, 4, 3), 128: (32, 64, 4, 2), 256: (16, 64, 8, 2)}
 DQ_CONFIG = {64: (64, 64, 4, 3), 128: (64, 32, 4, 3), 256: (64, 16, 8, 2)}
 # fp32 (tests only; ieee dots run on CUDA cores, not tensor cores): small tiles that fit shared memory.
 FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
-# Triton interpreter (CPU tests): small, unequal blocks so several blocks and a split diagonal run;
-# forward and dq take two query heads a program wherever the group is even (G 1 and odd: one).
+# Triton interpreter (CPU tests): small, unequal blocks so several blocks and a split diagonal run.
 INTERPRET_CONFIG = {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}
-INTERPRET_PACK = 2
 # Interpreter, model-sized heads (H * D >= 512; the tests' are at most 320): the interpreter's cost
 # is per program and per key/query step (~3-8 ms of Python each), not per score, so square blocks
 # that cover the longest document, up to 256. SmolLM2 (9 heads of 64), 8 documents of 53-67
@@ -65,30 +63,15 @@ TMA_TABLES = {"fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
                "dq": {64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}}
 
 
-# GQA packing (forward and dq): PACK query heads of one kv head in one program, their blocks of
-# BLOCK_M query positions stacked along the tile's rows (BLOCK_M * PACK), so each key / value tile
-# a loop step reads serves PACK heads (the loops read k and v: half the bytes a score at PACK = 2)
-# while the causal diagonal stays BLOCK_M positions wide. (BLOCK_M, BLOCK_N, warps, stages, PACK),
-# keyed by the padded head dim; used on the wgmma tiers (pointer and TMA loops) where PACK divides
-# G = H // KVH, else the tables above.
-PACKED = {}
-
-
-def _override_tables(tables, spec):
-    """spec "kernel:D:BM,BN,W,S[,PACK];...": rows that replace the tables' (experiments: step A/Bs;
-    an empty config removes the row)."""
+def _override_tma_tables(spec):
+    """LEAN_ATTN_TMA="kernel:D:BM,BN,W,S;...": rows that replace TMA_TABLES' (experiments: step A/Bs)."""
     for row in spec.split(";"):
         kernel, d, cfg = row.split(":")
-        if cfg:
-            tables.setdefault(kernel, {})[int(d)] = tuple(int(v) for v in cfg.split(","))
-        else:
-            tables.get(kernel, {}).pop(int(d), None)
+        TMA_TABLES[kernel][int(d)] = tuple(int(v) for v in cfg.split(","))
 
 
-if os.environ.get("LEAN_ATTN_TMA"):      # LEAN_ATTN_TMA: TMA_TABLES' rows, LEAN_ATTN_PACK: PACKED's
-    _override_tables(TMA_TABLES, os.environ["LEAN_ATTN_TMA"])
-if os.environ.get("LEAN_ATTN_PACK"):
-    _override_tables(PACKED, os.environ["LEAN_ATTN_PACK"])
+if os.environ.get("LEAN_ATTN_TMA"):
+    _override_tma_tables(os.environ["LEAN_ATTN_TMA"])
 # The walk's order (attention._work_item, _query_program). SORTED takes the documents longest
 # first and puts the heads on grid axis 0, so that every head's heaviest programs launch first;
 # unsorted, the heads are axis 1 and the last heads' heavy programs launch after every other
@@ -152,23 +135,16 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"  # read at launch: tests set it before use
 
 
-def config(kernel, block_d, dtype, max_seqlen, width, tma=False, tier=None, group=1):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, PACK); width = H * D; tier: the GPU's config tier
-    (arch.arch(device).tier; MMA_SYNC_CONFIG on the mma.sync tiers); group = H // KVH. PACK query
-    heads share a forward / dq program (its tile has BLOCK_M * PACK rows): PACKED's row where PACK
-    divides the group, else 1."""
-    packed = PACKED.get(kernel, {}).get(max(64, block_d))
+def config(kernel, block_d, dtype, max_seqlen, width, tma=False, tier=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); width = H * D; tier: the GPU's config tier
+    (arch.arch(device).tier; MMA_SYNC_CONFIG on the mma.sync tiers)."""
     if interpreting() and width >= 512:
         b = min(INTERPRET_MAX_BLOCK, max(16, triton.next_power_of_2(max_seqlen)))
         cfg = (b, b, 1, 1)
     elif interpreting():
         cfg = INTERPRET_CONFIG[kernel]
-        if kernel != "dkdv" and group % INTERPRET_PACK == 0:
-            cfg = cfg + (INTERPRET_PACK,)
     elif dtype == torch.float32:
         cfg = FP32_CONFIG[kernel]
-    elif packed and group % packed[4] == 0 and tier not in MMA_SYNC_TIERS and block_d in (64, 128):
-        cfg = packed
     elif tma:
         if block_d not in TMA_TABLES[kernel]:
             raise ValueError(f"attention tma=True: the GPU's TMA loops are tuned for D = "
@@ -182,7 +158,7 @@ def config(kernel, block_d, dtype, max_seqlen, width, tma=False, tier=None, grou
     if (k_block % q_block) if kernel == "dkdv" else (q_block % k_block):  # the diagonal split
         raise ValueError(f"attention {kernel} config {cfg}: the query and key blocks must nest "
                          "(BLOCK_N % BLOCK_M == 0 for dkdv, BLOCK_M % BLOCK_N == 0 otherwise)")
-    return tuple(cfg) + (1,) * (5 - len(cfg))
+    return cfg
 
 
 def grid(kernel, heads, items):

@@ -24,8 +24,8 @@ from the same pass over the tokens (dropout 0; R the rank, RP its padded width, 
   SM (_LORA_LAUNCH); the tile dots are lora_grad.py's (u^T v per (BLOCK_T, BLOCK_F) tile), so on
   lora_grad's tiles and chunks (_LORA_LAUNCH None) each gradient is the bits the separate passes
   give, and on these an fp32 sum of the same products in another order (tests/test_swiglu.py
-  checks both); the fp32 partials (S, F*R) / (S, RP*F) are summed in fixed order by the last
-  program of each column block (lora_grad's sum_partials): deterministic.
+  checks both); the fp32 partials (S, F*R) / (S, RP*F) are summed in fixed order by
+  lora_grad.grad_reduce: deterministic.
 
 Supported: any N, F >= 1; fp32 / fp16 / bf16.
 Tested: tests/test_swiglu.py: fp32 and fp16 through the interpreter (F 37, 131, 1000; N 1, 7,
@@ -48,7 +48,7 @@ import triton.language as tl
 from lean.kernels._check import check
 from lean.kernels.arch import arch
 from lean.kernels.gemm import interpret_big, interpreting
-from lean.kernels.lora_grad import SUM_S, _block_r, _last_of, counters, grad_chunking, sum_partials
+from lean.kernels.lora_grad import _block_r, grad_chunking, grad_reduce
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -101,18 +101,15 @@ def _swiglu_bwd_kernel(
 def _swiglu_bwd_lora_kernel(
     dg_ptr, du_ptr, dh_ptr, g_ptr, u_ptr,         # (N, F) each: gradients out, incoming gradient, inputs
     xg_ptr, xu_ptr, dyb_ptr,                      # xa_gate (N, R), xa_up (N, R), dyb_down (N, RP); contiguous
-    pg_ptr, pu_ptr, pd_ptr,                       # fp32 partials: (S, F*R) at i*R + r (gate, up), (S, RP*F) at r*F + i
-    gg_ptr, gu_ptr, gd_ptr, cnt_ptr,              # fp32 gradients +=: (F, R), (F, R), (R, F); (F blocks,) int32 counters
+    pg_ptr, pu_ptr, pd_ptr,                       # fp32 partials out: (S, F*R) at i*R + r (gate, up), (S, RP*F) at r*F + i
     stride_dg, stride_du, stride_dh, stride_g, stride_u,
-    N, F, R, RP, chunk, scale,
+    N, F, R, RP, chunk,
     DB_GATE: tl.constexpr, DB_UP: tl.constexpr, DA_DOWN: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-    SUM_S: tl.constexpr,
 ):
     """_swiglu_bwd_kernel's math on the (BLOCK_T, BLOCK_F) tiles of token chunk s; each tile's
     dg, du (and h), rounded as stored, multiplied into fp32 (BLOCK_F, BLOCK_R) partials, tile^T v,
-    as lora_grad's _lora_grad_partial_kernel multiplies them read back; the last program of a
-    column block adds the S partials into the gradients (lora_grad's _last_of, sum_partials)."""
+    as lora_grad's _lora_grad_partial_kernel multiplies them read back."""
     s = tl.program_id(1)
     rf = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     rt = s * chunk + tl.arange(0, BLOCK_T)
@@ -152,14 +149,6 @@ def _swiglu_bwd_lora_kernel(
         tl.store(pu_ptr + base * R + ri * R + rk, accu, mask=(ri < F) & (rk < R))
     if DA_DOWN:
         tl.store(pd_ptr + base * RP + rk * F + ri, accd, mask=(ri < F) & (rk < RP))
-    if _last_of(cnt_ptr, tl.num_programs(1)):
-        S = tl.num_programs(1)
-        if DB_GATE:
-            sum_partials(gg_ptr, pg_ptr, ri * R + rk, (ri < F) & (rk < R), S, F * R, scale, SUM_S)
-        if DB_UP:
-            sum_partials(gu_ptr, pu_ptr, ri * R + rk, (ri < F) & (rk < R), S, F * R, scale, SUM_S)
-        if DA_DOWN:  # the padding rows r >= R of dyb's partials stay out
-            sum_partials(gd_ptr, pd_ptr, rk * F + ri, (ri < F) & (rk < R), S, RP * F, scale, SUM_S)
 
 
 def _config(N, F):
@@ -274,16 +263,15 @@ def swiglu_bwd_lora(dg, du, dh, g, u, *, scale, gate=None, up=None, down=None):
     parts = {k: torch.empty((S, F * (RP if k == "down" else R)), device=dev, dtype=torch.float32)
              for k, p in (("gate", gate), ("up", up), ("down", down)) if p is not None}  # (S, F*R) / (S, RP*F)
     any_part = next(iter(parts.values()), dg)  # unused slots: never touched
-    grads = {k: p[0] for k, p in (("gate", gate), ("up", up), ("down", down)) if p is not None}
-    any_grad = next(iter(grads.values()))  # unused slots: never touched
     _swiglu_bwd_lora_kernel[(triton.cdiv(F, BF), S)](
         dg, du, dh, g, u,
         gate[1] if gate is not None else dg, up[1] if up is not None else dg, down[1] if down is not None else dg,
         parts.get("gate", any_part), parts.get("up", any_part), parts.get("down", any_part),
-        grads.get("gate", any_grad), grads.get("up", any_grad), grads.get("down", any_grad),
-        counters(triton.cdiv(F, BF), dev),
         dg.stride(0), du.stride(0), dh.stride(0), g.stride(0), u.stride(0),
-        N, F, R, RP, chunk, float(scale),
+        N, F, R, RP, chunk,
         DB_GATE=gate is not None, DB_UP=up is not None, DA_DOWN=down is not None,
         BLOCK_F=BF, BLOCK_T=BT, BLOCK_R=RP, PRECISION="ieee" if dt == torch.float32 else "tf32",
-        SUM_S=SUM_S, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
+    for k, pair in (("gate", gate), ("up", up), ("down", down)):
+        if pair is not None:
+            grad_reduce(pair[0], parts[k], scale, big)

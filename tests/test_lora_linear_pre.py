@@ -172,3 +172,16 @@ def test_lora_xa_dyb_reject_bad_arguments():
         lora_xa(z(N, 129), x, z(129, K))
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         lora_xa(xa, x.tolist(), a)
+
+
+def test_fuse_probe_forms_agree():
+    """tools/fuse_probe.py (the stacked q/k/v and gate/up numbers in BENCHMARKS.md) times two forms of
+    the same math with lean's launchers: one projection a weight, and one over the stacked weights
+    whose LoRA has rank 3R (2R) with a block-diagonal B. Its check must hold with the launchers as
+    they are: outputs, dx and the LoRA gradients within the fp32 rule."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import fuse_probe
+    for widths in ((48, 16, 16), (40, 40)):
+        assert fuse_probe.group(37, 32, widths, 4, torch.float32, DEVICE)[-1]() < 1e-5, widths

@@ -100,7 +100,9 @@ def dx_only(N, C, widths, R, dt, dev, scale=2.0):
     """(split, stacked) callables of the backward's dx GEMMs alone on the Hopper path: split, the
     step's _bwd_tma_pre per projection (its dy B pre-pass, then dx += dy_t W_t + s dyb_t A_t);
     stacked, the same pre-passes, then one dx GEMM over [dy_q dy_k dy_v] and [Wq; Wk; Wv] whose
-    rank-R term has rank 3R (dyb side by side, A stacked)."""
+    rank-R term has rank 3R (dyb side by side, A stacked). Timing only: the pre-passes write one
+    buffer a projection and the GEMM reads a stacked one of the same bytes; dx is not checked
+    (group's check covers the math)."""
     import triton as tr
 
     from lean.kernels import lora_linear_pre as LP

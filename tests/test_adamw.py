@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lean.kernels.adamw import adamw_step, adamw_update
+from lean.kernels.adamw import adamw_step
 from lean.reference.adamw import AdamWRef
 from tests.util import DEVICE, LOWP, ON_GPU, assert_close_rule, fresh_generator, poison, randn
 
@@ -103,36 +103,6 @@ def test_adamw_deterministic(P):
         runs.append((params, m, v, grad_norm))
     for name, a, b in zip(("params", "m", "v", "grad_norm"), *runs):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
-
-
-@pytest.mark.parametrize("P", [1, 10007])
-@pytest.mark.parametrize("gdtype", [torch.float32, LOWP], ids=str)
-def test_adamw_update_gated_and_zeroing(P, gdtype):
-    """gated: on = hyper[2] != 0 gives adamw_update's bits, on = 0 leaves p, m, v and p_lowp as they
-    were (bit for bit, even when the armed [lr, t] would divide by zero); zero_grad writes zeros over
-    the gradient in the same pass either way, and changes nothing else."""
-    g = fresh_generator()
-    params0, m0, v0 = randn(P, g=g), randn(P, g=g, scale=0.1), randn(P, g=g, scale=0.01).abs()
-    grad = randn(P, g=g, dtype=gdtype)
-    grad_norm = torch.tensor([3.0], device=DEVICE)
-    hp = dict(**BETAS, weight_decay=0.1, max_grad_norm=1.0)
-    want = [params0.clone(), m0.clone(), v0.clone()]
-    want_lowp = torch.empty(P, dtype=LOWP, device=DEVICE)
-    adamw_update(*want, grad_norm, grad, torch.tensor([1e-2, 3.0], device=DEVICE), params_lowp=want_lowp, **hp)
-    for on, hyper in ((1.0, [1e-2, 3.0, 1.0]), (0.0, [1e-2, 3.0, 0.0]), (0.0, [0.0, 0.0, 0.0])):
-        for zero in (False, True):
-            p, m, v, gr = params0.clone(), m0.clone(), v0.clone(), grad.clone()
-            lowp = params0.to(LOWP)
-            adamw_update(p, m, v, grad_norm, gr, torch.tensor(hyper, device=DEVICE), gated=True, zero_grad=zero,
-                         params_lowp=lowp, **hp)
-            expect = want if on else [params0, m0, v0]
-            for name, a, b in zip(("params", "m", "v"), (p, m, v), expect):
-                assert torch.equal(a, b), f"on={on} zero_grad={zero}: {name} differs"
-            assert torch.equal(lowp, want_lowp if on else params0.to(LOWP))
-            assert torch.equal(gr, torch.zeros_like(grad) if zero else grad)
-    with pytest.raises(ValueError, match="hyper"):  # gated reads [lr, t, on]
-        adamw_update(params0.clone(), m0.clone(), v0.clone(), grad_norm, grad.clone(),
-                     torch.zeros(2, device=DEVICE), gated=True, **hp)
 
 
 def _valid_args(P=37):

@@ -158,5 +158,4 @@ def test_gpt_oss_graph_step_equals_eager_and_makes_no_sync(mxfp4):
             torch.cuda.set_sync_debug_mode(0)
         assert n_g == n_e
         assert torch.equal(loss_g, loss_e), f"step {i}: loss {loss_g.item()} vs eager {loss_e.item()}"
-        lora_g.sync()  # the update the replay armed (graph.py: deferred) runs before the host reads
         assert torch.equal(lora_g.grads, lora_e.grads) and torch.equal(lora_g.params, lora_e.params), f"step {i}"

@@ -111,14 +111,12 @@ def _adamw_update_kernel(
     params_lowp_ptr,  # (P,) bf16/fp16 out (unused unless WRITE_LOWP)
     grads_ptr,  # (P,) fp32/bf16/fp16
     grad_norm_ptr,  # (1,) fp32, written by _adamw_norm_kernel
-    hyper_ptr,  # (2,) fp32: [lr, t]; (3,) [lr, t, on] when GATED
+    hyper_ptr,  # (2,) fp32: [lr, t]
     P,
     one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, max_grad_norm,
     BLOCK: tl.constexpr,
     CLIP: tl.constexpr,
     WRITE_LOWP: tl.constexpr,
-    GATED: tl.constexpr,  # hyper[2] == 0: p, m, v (and p_lowp) are written back unchanged
-    ZERO_GRAD: tl.constexpr,  # g is overwritten with 0 once read (the next backward's zero_grad)
 ):
     # Per-program scalars, from device memory (CUDA-graph safe).
     lr = tl.load(hyper_ptr)
@@ -149,21 +147,12 @@ def _adamw_update_kernel(
         clip = tl.minimum(max_grad_norm / (norm + 1e-6), 1.0, propagate_nan=tl.PropagateNan.ALL)
         g = g * clip
 
-    p_in, m_in, v_in = p, m, v
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v + one_minus_beta2 * (g * g - v)
     denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
     p = p - step_size * (m / denom)
-    if GATED:  # a select, not a branch: the off case (no pending update) is rare and costs one pass
-        on = tl.load(hyper_ptr + 2) != 0.0
-        p, m, v = tl.where(on, p, p_in), tl.where(on, m, m_in), tl.where(on, v, v_in)
 
-    if ZERO_GRAD:
-        if full:
-            tl.store(grads_ptr + offs, tl.zeros([BLOCK], dtype=grads_ptr.dtype.element_ty))
-        else:
-            tl.store(grads_ptr + offs, tl.zeros([BLOCK], dtype=grads_ptr.dtype.element_ty), mask=mask)
     if full:
         tl.store(params_ptr + offs, p)
         tl.store(m_ptr + offs, m)
@@ -240,23 +229,18 @@ def adamw_step(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999,
 
 
 def adamw_update(params, m, v, grad_norm, grads, hyper, *, beta1=0.9, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, max_grad_norm=None, params_lowp=None, gated=False, zero_grad=False):
+                 weight_decay=0.0, max_grad_norm=None, params_lowp=None):
     """The update half of adamw_step, with grad_norm already written (adamw_sumsq + adamw_norm over
     partials summed elsewhere, e.g. one layer at a time). params, m, v and grads may be in pinned
     host memory (read and written over the bus by the kernel); grad_norm, hyper, params_lowp on the
     GPU. The same bits as adamw_step's update for the same grad_norm: every element is independent,
-    so the buffers may also be updated a slice at a time (runtime/host_state.py's chunks).
-    gated: hyper is (3,) [lr, t, on] and the update applies only where on != 0 (read on the device:
-    runtime/optim.py's deferred update, armed by one captured step, run by the next or a flush).
-    zero_grad: grads are overwritten with zeros once read (the same pass; grads on the GPU)."""
-    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp,
-              gated)
+    so the buffers may also be updated a slice at a time (runtime/host_state.py's chunks)."""
+    _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp)
     _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
-                   params_lowp, gated, zero_grad)
+                   params_lowp)
 
 
-def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp,
-              gated=False):
+def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm, params_lowp):
     check(params, "params", shape=(None,), dtype=torch.float32, contiguous=True)
     check(grad_norm, "grad_norm", shape=(1,), dtype=torch.float32)
     P, device = params.shape[0], grad_norm.device
@@ -268,7 +252,7 @@ def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_d
     _check_flat(m, "m", P, device)
     _check_flat(v, "v", P, device)
     _check_flat(grads, "grads", P, device, (torch.float32, torch.bfloat16, torch.float16))
-    check(hyper, "hyper", shape=(3 if gated else 2,), dtype=torch.float32, device=device, contiguous=True)
+    check(hyper, "hyper", shape=(2,), dtype=torch.float32, device=device, contiguous=True)
     if params_lowp is not None:
         check(params_lowp, "params_lowp", shape=(P,), dtype=(torch.bfloat16, torch.float16, torch.float32),
               device=device, contiguous=True)
@@ -287,7 +271,7 @@ def _validate(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_d
 
 
 def _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, weight_decay, max_grad_norm,
-                   params_lowp, gated=False, zero_grad=False):
+                   params_lowp):
     P = params.shape[0]
     block = _block("UPDATE", P)
     # log(b) in float64 on the host, so b^t loses nothing to an fp32 b; b = 0 -> exp(-huge) = 0.
@@ -299,5 +283,5 @@ def _launch_update(params, m, v, grad_norm, grads, hyper, beta1, beta2, eps, wei
         1.0 - beta1, 1.0 - beta2, log_beta1, log_beta2, eps, weight_decay,
         0.0 if max_grad_norm is None else float(max_grad_norm),
         BLOCK=block, CLIP=max_grad_norm is not None, WRITE_LOWP=params_lowp is not None,
-        GATED=bool(gated), ZERO_GRAD=bool(zero_grad), num_warps=8,
+        num_warps=8,
     )

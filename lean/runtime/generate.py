@@ -90,10 +90,8 @@ def _forward_cached(model, lora, ids, P, cache, cos, sin, ctx):
     """Logits (1, V) of the last of the T tokens `ids` (device int32), appended at position P."""
     cfg = model.config
     T = ids.shape[0]
-    if lora is not None:
-        lora.settle()  # an update a captured step armed runs first (lowp)
-        if lora.ring is not None:
-            lora.ring.join()  # host state: an optimizer step's update may still be writing lowp
+    if lora is not None and lora.ring is not None:
+        lora.ring.join()  # host state: an optimizer step's update may still be writing lowp
     s = torch.empty(T, cfg.hidden, dtype=model.dtype, device=model.device)  # (T, C)
     embedding_fwd(s, ids, model.embed)
     d = None

@@ -9,14 +9,7 @@
 What is captured, once: lora.zero_grad(); forward_backward (embedding, the RoPE tables built from
 the static positions, every layer, fused lm_head + loss, the whole backward, with the activation
 plan's offloads, reloads and rebuilds when one is given: runtime/offload.py); opt.update() (AdamW
-with gradient clipping). A replay is one launch of all of it.
-With the LoRA state on this GPU (one process, whole weights; LEAN_DEFER_UPDATE=0 turns it off) the
-update moves to the next replay (runtime/optim.py): a replay starts with the last step's update on a
-side stream, layer by layer (zeroing each layer's gradient: the zero_grad), each layer's forward
-waiting for its own share only, and ends with the norm and this step's update armed (opt.arm).
-Between replays the host sees the LoRA one update behind: lora.sync() (which checkpoints, saves,
-merges and state_dicts call) runs the armed update first, and so do lora.zero_grad() and the first
-layer of any other forward (lora.settle). The gradient after a replay is that step's, as before. Shapes are fixed by the token budget
+with gradient clipping). A replay is one launch of all of it. Shapes are fixed by the token budget
 T and the document slots D (lean.pack(..., pad_to=T, max_docs=D), see batch.py), so every kernel
 grid is the same on every step. What changes between replays is only the contents of persistent
 device tensors, written from the host before each replay by non-blocking copies from pinned
@@ -27,8 +20,7 @@ buffers (batch.PinnedUpload; no host sync):
 The loss is read from the graph's output after each replay (a device tensor, cloned: no sync).
 
 Equal to the eager step (lora.zero_grad(); forward_backward; opt.step()) on the same fixed-shape
-batches bit for bit: loss, LoRA gradients, parameters and moments, replays run back to back or
-settled after each (tests/test_graph.py, GPU).
+batches bit for bit: loss, LoRA gradients, parameters and moments (tests/test_graph.py, GPU).
 
 Data parallel (reducer=, a grad_reduce.GradReducer): the capture holds the gradient's bucketed all-reduce
 too (each bucket's NCCL all-reduce launched as its lowest layer's backward finishes, every bucket
@@ -58,7 +50,6 @@ Cautions:
     the same tma_at_every_size() setting.
   - The host waits on an event only if it runs two steps ahead of the GPU (PinnedUpload).
 """
-import os
 from contextlib import nullcontext
 
 import torch
@@ -72,18 +63,6 @@ from .step import forward_backward
 
 class StepGraphError(ValueError):
     pass
-
-
-# The update under the next replay (runtime/optim.py): LEAN_DEFER_UPDATE=0 keeps it at the end of
-# the step (A/B runs); LEAN_DEFER_PROGRAMS=n splits each layer's update into launches of n programs.
-DEFER_UPDATE = os.environ.get("LEAN_DEFER_UPDATE", "1") != "0"
-DEFER_PROGRAMS = int(os.environ.get("LEAN_DEFER_PROGRAMS", "0") or 0)
-
-
-def _defers(model, lora, reducer):
-    """Whether a captured step leaves its update to the next replay: the LoRA state on this GPU,
-    one process, whole weights (the host-state, data-parallel and sharded steps keep theirs)."""
-    return DEFER_UPDATE and lora.ring is None and reducer is None and getattr(model, "shard", None) is None
 
 
 def _check_setup(model, lora, opt, budget, max_docs, plan):
@@ -125,11 +104,6 @@ class StepGraph:
         with reducer.dist.agreed("setting up the captured step") if reducer is not None else nullcontext():
             _check_setup(model, lora, opt, budget, max_docs, plan)
             self.model, self.lora, self.opt, self.plan, self.reducer = model, lora, opt, plan, reducer
-            lora.settle()  # an update another captured step armed
-            self.defer = _defers(model, lora, reducer)
-            if self.defer:
-                self._update_stream = torch.cuda.Stream()
-                self._update_events = [torch.cuda.Event() for _ in model.layers]
             self.budget, self.max_docs = budget, max_docs
             dev = lora.lowp.device
             self._ints = PinnedUpload(3 * budget + max_docs + 1, torch.int32, dev)
@@ -159,31 +133,19 @@ class StepGraph:
         if gather is not None:
             gather.held.clear()
             gather.begin_step()
-        if self.defer:  # the last step's update, under this forward; it zeroes the gradient it read
-            self.opt.update_deferred(self._update_stream, self._update_events, DEFER_PROGRAMS)
-            self.lora.update_events = self._update_events  # layer li's forward waits for its share
-        else:
-            self.lora.zero_grad()
+        self.lora.zero_grad()
         if self.reducer is not None:
             self.reducer.begin()
-        try:
-            with step_ends(self.reducer, gather, passes=1):  # the buckets' all-reduces go into the graph too
-                loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
-                                           plan=self.plan, reducer=self.reducer)
-        finally:
-            if self.defer:
-                self.lora.update_events = None
-                torch.cuda.current_stream().wait_stream(self._update_stream)  # a capture joins its streams
-        if self.defer:
-            self.opt.arm()  # the norm; this step's update, armed for the next replay
-        else:
-            self.opt.update()
+        with step_ends(self.reducer, gather, passes=1):  # the buckets' all-reduces go into the graph too
+            loss, _ = forward_backward(self.model, self.lora, self.batch, grad_scale=self._scale.dev, seed=0,
+                                       plan=self.plan, reducer=self.reducer)
+        self.opt.update()
         return loss
 
     def _warm_up(self):
         """One eager run on a side stream, as torch asks before a capture (it compiles every Triton
         kernel and builds the per-model tables); the optimizer state it changes is put back."""
-        state = (self.lora.params, self.opt.m, self.opt.v, self.opt.grad_norm, self.opt.armed)
+        state = (self.lora.params, self.opt.m, self.opt.v, self.opt.grad_norm)
         # sync: set-up, once. On the host, so the warm-up peaks like a step (device clones of the
         # LoRA params and AdamW moments would add 12 bytes a parameter: 0.5 GiB at 8B, r=16).
         self.lora.sync()  # host state (runtime/host_state.py): the last update has reached the host
@@ -228,8 +190,6 @@ class StepGraph:
         self.opt.begin_step(lr)
         self.lora.next_seed()  # count the step as the eager forward_backward does (checkpoints)
         self._graph.replay()
-        if self.defer:  # armed: the next replay runs it, or whatever reads the LoRA first (lora.settle)
-            self.lora.pending_update = self.opt.flush
         gather = gather_of(self.model)
         if gather is not None:  # which layer a gather buffer holds is the replay's business now
             gather.held.clear()

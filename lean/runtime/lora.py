@@ -119,8 +119,6 @@ class LoRA:
         self.scale = self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
         self.seed = int(seed)
         self.steps = 0  # forward_backward calls so far: each draws a fresh dropout seed
-        self.pending_update = None  # AdamW.flush of an update a captured step armed (settle())
-        self.update_events = None  # inside a captured step: per layer, its deferred update done (ready())
         self.base_model_name = model.path
         self.layout = []  # (layer, target, offset of A, A's shape, B's shape)
         off = 0
@@ -272,34 +270,13 @@ class LoRA:
         return (self.seed * 7919 + self.steps) % (2**31 - 1)
 
     def zero_grad(self):
-        self.settle()  # a captured step's update reads the gradients first
         if self.ring is not None:  # host state: the backward zeroes each layer's slot (no host memset;
             self.ring.start()     # lora.grads keeps the last backward's values until the next one)
         else:
             self.grads.zero_()
 
-    def settle(self):
-        """Run the update a captured step left armed (runtime/optim.py, AdamW.flush), if one is: on
-        the current stream, before whatever reads params, lowp or the moments next. No host sync."""
-        flush, self.pending_update = self.pending_update, None
-        if flush is not None:
-            flush()
-
-    def ready(self, li):
-        """Before layer li's forward: the LoRA it reads is up to date. Inside a captured step with the
-        update deferred, the compute stream waits for layer li's share of it (update_events); else an
-        armed update runs now; host state: the last update's share of the layer (host_state.py)."""
-        if self.update_events is not None:
-            torch.cuda.current_stream().wait_event(self.update_events[li])
-        else:
-            self.settle()
-        if self.ring is not None:
-            self.ring.ready(li)
-
     def sync(self):
-        """Before the host reads params, grads or the moments: an armed update runs (settle); host
-        state: wait for the GPU's copies and updates."""
-        self.settle()
+        """Host state: wait for the GPU's copies and updates before the host reads params or grads."""
         if self.host_state:
             from .host_state import sync
 

@@ -125,8 +125,8 @@ def _forward_layers(model, lora, batch, ctx, tape, plan=None, sched=None):
         if sched is not None and sched.gather is not None:
             w = sched.weights(li, li + 1)  # the gathered layer; layer li+1's gather runs under this one
         ads = lora.layers[li] if lora is not None else {}
-        if lora is not None:
-            lora.ready(li)  # the last step's update of this layer, when it runs under this forward
+        if lora is not None and lora.ring is not None:
+            lora.ring.ready(li)  # host state: the last step's update of this layer, run under this forward
         keep = () if tape is None else KEPT_ROWS[modes[li]]  # what the tape or the scheduler will hold
         (s, d), saved = layer_forward(s, d, w, ads, ctx, li, cfg, keep=keep)
         if tape is None:

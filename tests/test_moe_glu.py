@@ -3,6 +3,7 @@ routing-weight gradient) against lean/reference/moe_glu.py and its autograd."""
 import pytest
 import torch
 
+from lean.kernels import moe_group
 from lean.kernels.moe_glu import moe_glu_bwd, moe_glu_fwd
 from lean.reference.moe_glu import moe_glu_bwd_ref, moe_glu_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, poison, randn
@@ -40,13 +41,17 @@ def test_fwd(dtype, P, F):
     assert torch.isnan(base[:, 0]).all() and torch.isnan(base[:, F + 1:]).all(), "wrote outside act"
 
 
+@pytest.mark.parametrize("launch", ["here", "gpu"])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("N,K,F", [(1, 1, 37), (7, 2, 131), (33, 4, 64), (7, 2, 2600)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bwd(dtype, N, K, F, inplace):
+def test_bwd(dtype, N, K, F, inplace, launch, monkeypatch):
     """dh and dweights against autograd of the reference (w * <G, glu(h)>), zero gradient where a
     clamp is active and the unclamped one at exactly +-limit (torch.clamp's rule); act is
-    moe_glu_fwd's bits; dh written over h. F = 2600 takes two column chunks in the interpreter."""
+    moe_glu_fwd's bits; dh written over h. F = 2600 takes two column chunks in the interpreter.
+    launch "gpu": the GPU's launch configuration (moe_group.act_bwd_config) under the interpreter too."""
+    if launch == "gpu":
+        monkeypatch.setattr(moe_group, "_interpreting", lambda: False)
     gen = fresh_generator()
     P = N * K
     order = torch.randperm(P, generator=gen, device=DEVICE).to(torch.int32)

@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 
+from lean.kernels import moe_group
 from lean.kernels.moe_group import group_slots, moe_act_bwd, moe_combine
 from lean.kernels.moe_route import moe_aux, route_topk_bwd, route_topk_fwd
 from lean.kernels.swiglu import swiglu_fwd
@@ -237,12 +238,16 @@ def test_combine(dtype, N, K, C, weighted, accumulate):
     assert_close_rule(out, ref, moe_combine_ref(ys, slot_pos, N, w, acc0), name="out")
 
 
+@pytest.mark.parametrize("launch", ["here", "gpu"])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("N,K,F", [(1, 1, 37), (7, 2, 131), (33, 4, 64), (7, 2, 2600)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_act_bwd(dtype, N, K, F, inplace):
+def test_act_bwd(dtype, N, K, F, inplace, launch, monkeypatch):
     """dh and dweights against autograd of the reference (w * <G, swiglu(h)>); act is swiglu_fwd's
-    bits; dh written over h. F = 2600 takes two column chunks under the interpreter."""
+    bits; dh written over h. F = 2600 takes two column chunks under the interpreter.
+    launch "gpu": the GPU's launch configuration (moe_group.act_bwd_config) under the interpreter too."""
+    if launch == "gpu":
+        monkeypatch.setattr(moe_group, "_interpreting", lambda: False)
     gen = fresh_generator()
     E = max(K, 4)
     order, _, _, _ = group_slots_ref(_experts("route", N, E, K, gen), E)

@@ -31,7 +31,7 @@ HEADS = [(16, 8, 128), (32, 8, 64)]             # (H, KVH, D)
 SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of the chosen configs.
     # Blocks must nest (fwd/dq: BLOCK_M % BLOCK_N == 0, dkdv: BLOCK_N % BLOCK_M == 0).
     "fwd": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 128, 8, 3), (64, 32, 4, 3),
-            (64, 64, 8, 3), (128, 64, 8, 3)],
+            (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3)],
     "dkdv": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 8, 3), (16, 64, 4, 3),
              (64, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3),
              (64, 128, 8, 3), (64, 128, 8, 2), (16, 128, 4, 3),
@@ -39,7 +39,8 @@ SWEEP = {   # (BLOCK_M, BLOCK_N, num_warps, num_stages); the neighbourhood of th
              # 64 query rows a step, never timed: (64, 64, 4, 2) above spills in its loop (14)
              (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2)],
     "dq": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4, 2),
-           (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3)],
+           (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+           (128, 64, 8, 2), (128, 128, 8, 2)],
 }
 TABLES = {"fwd": "FWD_CONFIG", "dkdv": "DKDV_CONFIG", "dq": "DQ_CONFIG"}
 TMA = {"on": False}  # --tma: every lean call forced onto the TMA loops, the sweep edits TMA_TABLES
@@ -265,8 +266,16 @@ if __name__ == "__main__":
     ap.add_argument("--no-compare", action="store_true", help="skip the comparison with torch's flash")
     ap.add_argument("--tma", action="store_true", help="time (and sweep) the TMA loops: lean's path in a captured step")
     ap.add_argument("--split", action="store_true", help="time the backward at each dk/dv split (DKDV_SPLIT)")
+    ap.add_argument("--heads", help="H/KVH/D,... in place of HEADS (one per head dim), e.g. 32/4/128: "
+                    "Qwen3-30B-A3B's heads (G = 8, where DKDV_SPLIT splits dk/dv)")
+    ap.add_argument("--cases", help="comma-separated names of CASES to time (default: all)")
     args = ap.parse_args()
     TMA["on"] = args.tma
+    if args.heads:
+        HEADS[:] = [tuple(int(v) for v in h.split("/")) for h in args.heads.split(",")]
+    if args.cases:
+        for name in [c for c in CASES if c not in args.cases.split(",")]:
+            del CASES[name]
     if args.split:
         print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
         split_sweep()

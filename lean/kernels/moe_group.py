@@ -229,6 +229,18 @@ def _rows_config(R, F):
     return BLOCK_R, BLOCK_F, max(1, min(8, BLOCK_R * BLOCK_F // 512))
 
 
+def act_bwd_config(R, F, rows, cols):
+    """(BLOCK_R, BLOCK_F, num_warps) of a SwiGLU backward over sorted rows (moe_act_bwd; moe_glu's
+    with rows=1, cols=1024): on a GPU `rows` rows a program and column blocks of at most `cols`,
+    4 warps; the interpreter as _rows_config. H200, bf16, CUDA-graph medians (ab probe, 2026-11-29;
+    read G, h, write dh, act): moe_act_bwd P 65,536 F 768 (Qwen3-30B-A3B) 168.5 us at _rows_config's
+    (2, 1024, 4) -> 149.5 at (4, 256, 4) (next (8, 256, 8) 150.3, (1, 1024, 4) 165.9); moe_glu_bwd P
+    32,768 F 2,880 (gpt-oss-20b) 468.6 -> 349.7 at (1, 1024, 4) (next (8, 256, 8) 394.0)."""
+    if _interpreting():
+        return _rows_config(R, F)
+    return rows, min(triton.next_power_of_2(F), cols), 4
+
+
 def moe_combine(out, ys, slot_pos, weights=None, *, accumulate=False):
     """out (N, C) (+)= sum_i w[n, i] * ys[slot_pos[n*K + i]] (fp32 sum in top-k order, one rounding);
     ys (P, C) sorted expert outputs, slot_pos (P,) int32, weights (N, K) or None (unweighted).
@@ -281,7 +293,7 @@ def moe_act_bwd(dh, dweights, G, h, weights, order, *, act=None):
         check(act, "act", shape=(P, F), dtype=dt, device=dev, last_contiguous=True)
     if P == 0 or F == 0:
         return
-    BLOCK_R, BLOCK_F, num_warps = _rows_config(P, F)
+    BLOCK_R, BLOCK_F, num_warps = act_bwd_config(P, F, rows=4, cols=256)
     _moe_act_bwd_kernel[(triton.cdiv(P, BLOCK_R),)](
         dh, dweights, act if act is not None else dh,
         G, h, weights, order,

@@ -263,27 +263,3 @@ def test_linear_ce_row_walks_agree(dtype):
             for cfg in ((bv, 4, None, False), (bv, 4, 3, True), (bv, 4, 2, False), None)]
     for i, (loss, dh) in enumerate(outs[1:], 1):
         assert torch.equal(loss, outs[0][0]) and torch.equal(dh, outs[0][1]), f"walk {i} differs from one row a program"
-
-
-@pytest.mark.parametrize("N,V,C,chunk_rows,with_dh", [(37, 1000, 64, 16, True), (131, 2056, 80, 48, True),
-                                                     (37, 1000, 64, 16, False), (5, 8, 64, None, True)])
-def test_linear_ce_stats_path(N, V, C, chunk_rows, with_dh, monkeypatch):
-    """Pass 1 in the logits GEMM's epilogue (_logits_stats_kernel, then _linear_ce_rows_kernel's one
-    pass), chosen where the logits GEMM takes gemm's flattened TMA loop, forced here at small sizes
-    (the interpreter's 32-wide column tiles: 1 to 65 of them, a partial last one, rows past N):
-    against the reference, the loss alone bit-equal to the loss with dh. Fails if it did not run."""
-    if DEVICE != "cpu":
-        from lean.kernels.arch import arch
-        if not (arch().tma and G.TMA_FLAT):
-            pytest.skip("the stats path needs the Hopper path's flattened TMA loop (arch.py, gemm.TMA_FLAT)")
-    monkeypatch.setattr(CE, "_stats_path", lambda logits, h, w: True)
-    calls, launch = [], CE._logits_stats
-    monkeypatch.setattr(CE, "_logits_stats", lambda *a: calls.append(a[0].shape) or launch(*a))
-    g = fresh_generator()
-    h, w, targets = make_inputs(N, V, C, LOWP, g, ignore_frac=0.2 if N > 5 else 0.0, logit_std=6.0)
-    targets[0] = V - 1  # the last column of the partial last tile
-    loss, dh = run(h, w, targets, with_dh=with_dh, grad_scale=0.25, chunk_rows=chunk_rows)
-    assert calls, "the stats path did not run"
-    check_against_reference(loss, dh, h, w, targets, grad_scale=0.25)
-    if not with_dh:
-        assert torch.equal(loss, run(h, w, targets, grad_scale=0.25, chunk_rows=chunk_rows)[0])

@@ -24,12 +24,6 @@ likely still in L2) and overwrites it in place with grad_scale * (softmax - oneh
 over a long K: gemm_splitk.py's deterministic split-K path on Hopper). After the last chunk,
 `_linear_ce_sum_kernel` (one program, fixed order, no atomics) sums the per-row losses and counts
 the valid targets, so the loss is bit-for-bit deterministic.
-Hopper (where matmul would run the logits on gemm's flattened TMA loop: _stats_path): pass 1 moves
-into the logits GEMM. `_logits_stats_kernel` (that loop) writes, per row and 256-column tile of the
-logits as stored, the max m_t and sum of exp(x - m_t) (fp32 pairs); `_linear_ce_rows_kernel` takes
-each row's lse from its pairs (m = max m_t, s = sum s_t exp(m_t - m), tile order) and runs pass 2
-alone: the logits cross HBM twice in the row pass, not three times. lse is summed in another order
-than pass 1's (fp32 rounding apart, the same value); deterministic either way.
 
 Numerics (the same as HF transformers): HF's lm_head returns logits in the activation dtype and
 upcasts them to fp32 for the cross-entropy; autograd then casts the fp32 gradient of the logits
@@ -38,8 +32,7 @@ logits rounded once to h's dtype (fp32 GEMM accumulation), log-sum-exp and softm
 the gradient is rounded once to h's dtype before the second GEMM. Keeping the scratch in h's
 dtype (not fp32) also halves its memory and the bytes the row kernel and the second GEMM move.
 
-Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses) (+ stats_bytes: the
-Hopper form's pairs, 4.9 MB at 1024 rows of V 151936), and while the dh
+Memory: scratch chunk_rows * V elements of h's dtype + N fp32 (per-row losses), and while the dh
 GEMM runs, its split-K workspace (split, chunk_rows, C) fp32 (gemm_splitk.py; 16-bit on Hopper: 33 MiB for
 Qwen3-0.6B's 768-row chunks, 15-16 MiB for Llama-3.2-1B's 640 and its last chunk of 512).
 Default chunk_rows on GPU: the fewest rows (a multiple of 128) at which the chunk's two GEMMs, each
@@ -54,8 +47,7 @@ Supported: any N >= 0, V >= 1, C >= 1; row * V may exceed 2^31 (int64 row offset
 Tested: tests/test_linear_ce.py: fp32 and fp16 on CPU (interpreter), N 1..300, V 97..2053, C 64/80,
 several chunks with a partial last one, ignored rows, all rows ignored, grad_scale != 1, dh=None,
 logits of std 100; the gpu-marked cases (bf16 and fp32 up to N 16384, V 151936, C 1024, also as one
-2.5e9-logit chunk) pass on the H100; the Hopper form forced under the interpreter (1 to 65
-column tiles, partial last ones, loss alone) and as chosen by the GPU cases.
+2.5e9-logit chunk) pass on the H100.
 Speed (H100, bf16, N = 8192, tools/splitk_bench.py): Qwen3-0.6B 11.3 ms (14.3 before split-K),
 Llama-3.2-1B 18.1 (20.2), Qwen3-8B 34.2 (41.1).
 Caution: the launcher allocates its scratch through torch's caching allocator on every call.
@@ -73,7 +65,7 @@ import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels.gemm import _TMA, _use_tma, grouped_tile, matmul, tma_desc, tma_describable, tma_flat
+from lean.kernels.gemm import matmul
 from lean.kernels.gemm_splitk import splitk_workspace_bytes
 
 # The row kernel (BLOCK_V, num_warps) and its walk (programs per SM, or 0 for one program per row;
@@ -100,14 +92,6 @@ _INTERP_BLOCK_V, _INTERP_CHUNK_ROWS = 512, 64  # small, so the CPU tests cross b
 # SmolLM2 (V 49152, C 576), 497 tokens, fp32, 1 core: fwd+bwd 80 s at 64 x 512 -> 7.5 s.
 _INTERP_BIG_BLOCK_V, _INTERP_BIG_CHUNK_ROWS = 2**16, 512
 _SUM_BLOCK = 1024
-# Pass 1 in the logits GEMM (_logits_stats_kernel, then _linear_ce_rows_kernel: the logits' bytes
-# cross HBM twice in the row pass instead of three times), where matmul would run the logits on its
-# flattened TMA loop (_stats_path). H200, bf16, 1024 rows x V 151936, `python tools/ce_stats_probe.py`
-# (CUDA-graph medians of the logits GEMM + the row pass): C 2048 1240 -> 1173 us, C 1024 751 -> 738;
-# the epilogue costs the GEMM 9% (C 2048) / 14% (C 1024), the row pass drops from ~278 to ~125-150 us.
-# _linear_ce_rows_kernel's launch (BLOCK_V, num_warps, programs per SM): the best of five there.
-_GPU_ROWS_FROM_STATS = (8192, 8, 4)
-_INTERP_STATS_TILE = (32, 32, 32, 4, 1)  # forced under the interpreter (tests): several column tiles
 
 
 @triton.jit
@@ -133,6 +117,8 @@ def _linear_ce_fwd_bwd_kernel(
 def _ce_row(logits_ptr, row_loss_ptr, targets_ptr, row, V, stride_row, grad_scale_ptr, ignore_index,
             BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, REVERSE: tl.constexpr):
     base = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    valid = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
 
     # Pass 1: online max (one block reduction per block) and per-lane sums of exp. Exponents are
@@ -148,22 +134,12 @@ def _ce_row(logits_ptr, row_loss_ptr, targets_ptr, row, V, stride_row, grad_scal
         s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.exp2((x - m_new) * 1.4426950408889634)
         m = m_new  # first block: m = -inf, so s = 0 * 0 + exp2(...)
     log2_s = tl.log2(tl.sum(s, axis=0))  # lse = m + log2_s * ln 2
-    _ce_loss_and_grad(base, row_loss_ptr, targets_ptr, row, V, grad_scale_ptr, ignore_index, m, log2_s,
-                      BLOCK_V, WRITE_GRAD, REVERSE)
-
-
-@triton.jit
-def _ce_loss_and_grad(base, row_loss_ptr, targets_ptr, row, V, grad_scale_ptr, ignore_index, m, log2_s,
-                      BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, REVERSE: tl.constexpr):
-    """A row's loss from its lse = m + log2_s ln 2, then (WRITE_GRAD) pass 2: the row overwritten
-    with its gradient (zeros for an ignored row)."""
-    target = tl.load(targets_ptr + row).to(tl.int64)
-    valid = target != ignore_index
     in_range = valid & (target >= 0) & (target < V)
     x_t = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
     tl.store(row_loss_ptr + row, tl.where(valid, (m - x_t) + log2_s * 0.6931471805599453, 0.0))
+
+    # Pass 2: overwrite the row with its gradient (zeros for an ignored row).
     if WRITE_GRAD:
-        cols = tl.arange(0, BLOCK_V)
         scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
         n_blocks = tl.cdiv(V, BLOCK_V)
         for i in range(0, n_blocks):
@@ -172,58 +148,7 @@ def _ce_loss_and_grad(base, row_loss_ptr, targets_ptr, row, V, grad_scale_ptr, i
             x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first")
             p = tl.exp2((x.to(tl.float32) - m) * 1.4426950408889634 - log2_s)  # softmax
             g = scale * (p - tl.where(offs == target, 1.0, 0.0))
-            tl.store(base + offs, g.to(base.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _logits_stats_kernel(
-    c_desc, a_desc, b_desc,  # TMA descriptors: logits (M, N) out, h (M, K), w (N, K)
-    stat_m_ptr, stat_s_ptr,  # (M, tiles_n) fp32 out: per row and column tile, the max and sum exp(x - max)
-    M, N, K, n_programs,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """logits = h w^T on gemm._matmul_tma_kernel's flattened TMA loop (FLAT, B K-major, no bias),
-    and the row kernel's pass 1 in its epilogue: of the tile as stored (rounded to the logits'
-    dtype, columns past N out), each row's max m_t and sum of exp(x - m_t)."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles, n_programs, flatten=True):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([pid_m * BLOCK_M, k0]), b_desc.load([pid_n * BLOCK_N, k0]).T, acc)
-        lo = acc.to(c_desc.dtype)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x = tl.where((rn < N)[None, :], lo.to(tl.float32), float("-inf"))
-        m = tl.max(x, axis=1)
-        s = tl.sum(tl.exp2((x - m[:, None]) * 1.4426950408889634), axis=1)
-        at = rm.to(tl.int64) * tiles_n + pid_n
-        tl.store(stat_m_ptr + at, m, mask=rm < M)
-        tl.store(stat_s_ptr + at, s, mask=rm < M)
-
-
-@triton.jit
-def _linear_ce_rows_kernel(
-    logits_ptr,  # (rows, V) in: logits; out: grad_scale * (softmax - onehot) if WRITE_GRAD
-    row_loss_ptr, targets_ptr,  # as _linear_ce_fwd_bwd_kernel's
-    stat_m_ptr, stat_s_ptr,  # (rows, n_tiles) fp32: _logits_stats_kernel's pairs
-    rows, V, stride_row, n_tiles, grad_scale_ptr, ignore_index,
-    BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_GRAD: tl.constexpr,
-):
-    """_linear_ce_fwd_bwd_kernel with pass 1 done by the logits GEMM: each row's lse from its
-    tiles' pairs (m = max m_t, s = sum s_t exp(m_t - m), in tile order), then the loss and pass 2."""
-    ts = tl.arange(0, BLOCK_T)
-    zero = tl.zeros((), tl.int64)
-    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        row = row + zero
-        mt = tl.load(stat_m_ptr + row * n_tiles + ts, mask=ts < n_tiles, other=float("-inf"))
-        st = tl.load(stat_s_ptr + row * n_tiles + ts, mask=ts < n_tiles, other=0.0)
-        m = tl.max(mt, axis=0)
-        log2_s = tl.log2(tl.sum(st * tl.exp2((mt - m) * 1.4426950408889634), axis=0))
-        _ce_loss_and_grad(logits_ptr + row * stride_row, row_loss_ptr, targets_ptr, row, V, grad_scale_ptr,
-                          ignore_index, m, log2_s, BLOCK_V, WRITE_GRAD, False)
+            tl.store(base + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -276,38 +201,12 @@ def _row_config(device):
     return _GPU_BLOCK_V, _GPU_ROW_WARPS, per_sm * arch(device).sms if per_sm else None, reverse
 
 
-def _stats_tile():
-    return _INTERP_STATS_TILE if os.environ.get("TRITON_INTERPRET") == "1" else _TMA
-
-
-def stats_bytes(rows, V):
-    """The (2, rows, tiles) fp32 pairs _logits_stats_kernel writes for a chunk of rows (GPU tiles)."""
-    return 2 * rows * triton.cdiv(V, _TMA[1]) * 4
-
-
-def _stats_path(logits, h, w):
-    """Whether a chunk's logits GEMM takes pass 1 into its epilogue: where matmul(logits, h, w.t())
-    would run gemm's flattened TMA loop (Hopper, 16-bit, TMA-describable, a wave of tiles)."""
-    return _use_tma(h, w.t(), *logits.shape) and tma_flat(h.device) and tma_describable(logits)
-
-
-def _logits_stats(logits, stats, h, w):
-    """logits = h w^T and stats[0], stats[1] = each (row, column tile)'s max and sum of exp."""
-    (M, K), N = h.shape, w.shape[0]
-    BM, BN, BK, warps, stages = _stats_tile()
-    n_programs = min(arch(h.device).sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
-    _logits_stats_kernel[(n_programs,)](
-        tma_desc(logits, (BM, BN)), tma_desc(h, (BM, BK)), tma_desc(w, (BN, BK)), stats[0], stats[1],
-        M, N, K, n_programs, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, num_warps=warps, num_stages=stages)
-
-
 def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-100, chunk_rows=None,
                       row_config=None):
     """loss (2,) fp32 = [CE sum over valid tokens, valid count]; dh (N, C) = grad_scale * dCE/dh
     (or None: loss only). h (N, C), w (V, C), targets (N,). Both outputs are written with `=`.
     grad_scale: a number or a (1,) fp32 tensor on h's device. row_config (BLOCK_V, num_warps,
-    programs, reverse): the row kernel's launch, for tools/step_levers.py's sweep (chunks on the
-    Hopper form run _linear_ce_rows_kernel at _GPU_ROWS_FROM_STATS instead)."""
+    programs, reverse): the row kernel's launch, for tools/step_levers.py's sweep."""
     check(h, "h", shape=(None, None), dtype=(torch.float32, torch.float16, torch.bfloat16),
           last_contiguous=True)
     N, C = h.shape
@@ -337,30 +236,16 @@ def linear_ce_fwd_bwd(loss, dh, h, w, targets, *, grad_scale=1.0, ignore_index=-
     chunk_rows = max(1, min(chunk_rows, N))
     scratch = torch.empty((chunk_rows, V), dtype=h.dtype, device=dev)  # (chunk_rows, V): logits, dlogits
     row_loss = torch.empty((N,), dtype=torch.float32, device=dev)  # (N,) per-token CE
-    stats = None
     for r0 in range(0, N, chunk_rows):
         r1 = min(N, r0 + chunk_rows)
         logits = scratch[: r1 - r0]  # (rows, V)
-        if _stats_path(logits, h[r0:r1], w):  # pass 1 in the GEMM's epilogue
-            tiles = triton.cdiv(V, _stats_tile()[1])
-            if stats is None:
-                stats = torch.empty((2, chunk_rows, tiles), dtype=torch.float32, device=dev)  # (2, rows, tiles)
-            _logits_stats(logits, stats[:, : r1 - r0], h[r0:r1], w)
-            bv, warps, per_sm = _GPU_ROWS_FROM_STATS if not interpret else (block_v, row_warps, 3)
-            _linear_ce_rows_kernel[(min(r1 - r0, per_sm * arch(dev).sms),)](
-                logits, row_loss[r0:r1], targets[r0:r1], stats[0], stats[1],
-                r1 - r0, V, logits.stride(0), tiles, grad_scale, ignore_index,
-                BLOCK_V=min(bv, triton.next_power_of_2(V)), BLOCK_T=triton.next_power_of_2(tiles),
-                WRITE_GRAD=dh is not None, num_warps=warps,
-            )
-        else:
-            matmul(logits, h[r0:r1], w.t())
-            _linear_ce_fwd_bwd_kernel[(min(r1 - r0, row_programs or r1 - r0),)](
-                logits, row_loss[r0:r1], targets[r0:r1],
-                r1 - r0, V, logits.stride(0),
-                grad_scale, ignore_index,
-                BLOCK_V=block_v, WRITE_GRAD=dh is not None, REVERSE=reverse, num_warps=row_warps,
-            )
+        matmul(logits, h[r0:r1], w.t())
+        _linear_ce_fwd_bwd_kernel[(min(r1 - r0, row_programs or r1 - r0),)](
+            logits, row_loss[r0:r1], targets[r0:r1],
+            r1 - r0, V, logits.stride(0),
+            grad_scale, ignore_index,
+            BLOCK_V=block_v, WRITE_GRAD=dh is not None, REVERSE=reverse, num_warps=row_warps,
+        )
         if dh is not None:
             matmul(dh[r0:r1], logits, w)  # (rows, C) = dlogits @ w
     _linear_ce_sum_kernel[(1,)](loss, row_loss, targets, N, ignore_index, BLOCK=_SUM_BLOCK, num_warps=4)

@@ -17,7 +17,7 @@ from ..kernels.arch import arch
 from ..kernels.gemm import interpreting
 from ..kernels.gemm_splitk import splitk_workspace_bytes
 from ..kernels.gmm_wgrad import wgrad_scratch
-from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes, stats_bytes
+from ..kernels.linear_ce import _default_chunk_rows, _gemm_workspace_bytes
 from ..kernels.lora_grad import _GRAD, _block_r
 from ..kernels.moe_group import _group_config
 from ..kernels.moe_route import _rows_config as _route_rows_config
@@ -97,14 +97,11 @@ def lora_bwd_scratch(N, K, O, R, act_bytes, part="all"):
 
 
 def linear_ce_scratch(N, V, C, act_bytes, rows=None):
-    """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32, the largest split-K
-    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter)
-    and its logits GEMM's row statistics (linear_ce.stats_bytes: Hopper; assumed on any GPU too).
+    """linear_ce_fwd_bwd's logits chunk (rows, V), per-row losses (N,) fp32 and the largest split-K
+    workspace of its GEMMs (gemm.py: 16-bit on Hopper; assumed on any GPU, 0 under the interpreter).
     rows: the chunk rows the step passes (Plan.loss_rows), None: linear_ce's default."""
-    interp = interpreting()
-    rows = max(1, min(rows or _default_chunk_rows(N, V, C, act_bytes, interp), N))
-    stats = 0 if interp or act_bytes == 4 else stats_bytes(rows, V)
-    return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows) + stats
+    rows = max(1, min(rows or _default_chunk_rows(N, V, C, act_bytes, interpreting()), N))
+    return rows * V * act_bytes + N * 4 + _gemm_workspace_bytes(N, V, C, act_bytes, rows)
 
 
 

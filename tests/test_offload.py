@@ -233,9 +233,11 @@ def test_loss_chunk_rows_kept_only_where_the_peak_is_elsewhere(monkeypatch):
     inside a layer's experts, so its loss takes CE_FAST_ROWS rows at the same predicted peak;
     Qwen3-0.6B's and Llama-3.2-1B's peak is the loss's own moment, so they keep the default."""
     import lean.runtime.plan as P
+    import lean.runtime.plan_walk as PW
     from lean.models.presets import PRESETS
     from lean.runtime.lora import TARGETS
     monkeypatch.setattr(P, "interpreting", lambda: False)
+    monkeypatch.setattr(PW, "interpreting", lambda: False)  # the walk's kernel scratch, as on a GPU
     monkeypatch.delenv("LEAN_CE_CHUNK_ROWS", raising=False)
     for name, layers, kept in (("qwen3-30b-a3b", 8, True), ("qwen3-0.6b", None, False), ("llama-3.2-1b", None, False)):
         cfg = config_from_hf(dict(PRESETS[name], **({"num_hidden_layers": layers} if layers else {})))

@@ -29,7 +29,7 @@ import lean
 from lean.runtime.gguf import GGUFError, convert_gguf
 from lean.runtime.gguf_export import export_adapter, export_model
 from lean.runtime.gguf_names import PRE
-from lean.runtime.gguf_quants import q4_k_m_types
+from lean.runtime.gguf_types import q4_k_m_types
 from lean.runtime.gguf_quants import quantize as gq_quantize
 from lean.runtime.lora import PEFT_MODULE
 from lean.runtime.merge import merged_tensors

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from lean.runtime import gguf_quants as Q
-from lean.runtime.gguf_quants import T, dequantize, q4_k_m_types, quantize
+from lean.runtime.gguf_quants import T, dequantize, quantize
+from lean.runtime.gguf_types import q4_k_m_types
 
 gq = pytest.importorskip("gguf.quants")
 f32 = np.float32

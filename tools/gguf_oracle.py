@@ -22,7 +22,8 @@ from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lean.runtime.gguf_quants import q4_k_m_types, quantize, row_bytes  # noqa: E402
+from lean.runtime.gguf_quants import quantize, row_bytes  # noqa: E402
+from lean.runtime.gguf_types import q4_k_m_types  # noqa: E402
 
 
 def ggml_quantize(x, qtype, threads=1):

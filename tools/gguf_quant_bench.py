@@ -40,7 +40,8 @@ import numpy as np
 if "--ptx" in sys.argv:  # compiled kernels (JITFunctions), not the interpreter: set before triton loads
     os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lean.runtime.gguf_quants import T, q4_k_m_types, quantize, row_bytes  # noqa: E402
+from lean.runtime.gguf_quants import T, quantize, row_bytes  # noqa: E402
+from lean.runtime.gguf_types import q4_k_m_types  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_oracle import ggml_quantize  # noqa: E402

@@ -14,7 +14,7 @@ final name only once complete and fsynced; a failed export leaves nothing there.
 Tensor types (what llama.cpp's convert_hf_to_gguf.py writes for the same --outtype): 1-D tensors,
 *_norm.weight, biases and the MoE router (ffn_gate_inp) in F32; every other weight in the type asked
 for (F32, F16, BF16, Q8_0; Q8_0 falls back to F16 for a row length that is not a multiple of 32).
-Q4_K_M: each tensor's type from gguf_quants.q4_k_m_types, llama-quantize's rule for the whole file
+Q4_K_M: each tensor's type from gguf_types.q4_k_m_types, llama-quantize's rule for the whole file
 (Q4_K, Q6_K for attn_v / ffn_down of its "more bits" layers and for output, the Q5_0 / Q8_0 / F16
 fallbacks for rows that are no multiple of 256; written down there from llama-quant.cpp): the types
 and bytes llama-quantize gives lean's F32 export. Bytes: gguf_quants.quantize (ggml's, bit for bit).
@@ -65,7 +65,7 @@ from gguf import MODEL_TENSOR as T
 from .gguf import GGUFError
 from .gguf_names import (HPARAMS, MOE_HPARAMS, ROPE_FREQS, ROPE_SCALING, ROPE_SCALING_TYPE, SLIDING_WINDOW,
                          WRITABLE, Part, gguf_arch, gguf_name, key, row_index, tensor_parts)
-from .gguf_quants import q4_k_m_types
+from .gguf_types import q4_k_m_types
 from .gguf_source import Shards
 from .gguf_write import Out, write_gguf
 

@@ -232,10 +232,11 @@ def _rows_config(R, F):
 def act_bwd_config(R, F, rows, cols):
     """(BLOCK_R, BLOCK_F, num_warps) of a SwiGLU backward over sorted rows (moe_act_bwd; moe_glu's
     with rows=1, cols=1024): on a GPU `rows` rows a program and column blocks of at most `cols`,
-    4 warps; the interpreter as _rows_config. H200, bf16, CUDA-graph medians (ab probe, 2026-11-29;
-    read G, h, write dh, act): moe_act_bwd P 65,536 F 768 (Qwen3-30B-A3B) 168.5 us at _rows_config's
-    (2, 1024, 4) -> 149.5 at (4, 256, 4) (next (8, 256, 8) 150.3, (1, 1024, 4) 165.9); moe_glu_bwd P
-    32,768 F 2,880 (gpt-oss-20b) 468.6 -> 349.7 at (1, 1024, 4) (next (8, 256, 8) 394.0)."""
+    4 warps; the interpreter as _rows_config. H200, bf16, CUDA-graph medians (tools/moe_rows_probe.py's
+    loop, 2026-11-29; read G, h, write dh, act): moe_act_bwd P 65,536 F 768 (Qwen3-30B-A3B) 168.5 us
+    at _rows_config's (2, 1024, 4) -> 149.5 at (4, 256, 4) (next (8, 256, 8) 150.3, (1, 1024, 4)
+    165.9); moe_glu_bwd P 32,768 F 2,880 (gpt-oss-20b) 468.6 -> 349.7 at (1, 1024, 4) (next (8, 256,
+    8) 394.0)."""
     if _interpreting():
         return _rows_config(R, F)
     return rows, min(triton.next_power_of_2(F), cols), 4

@@ -110,13 +110,11 @@ from ..kernels.gemm import interpreting
 from ..kernels.linear_ce import _default_chunk_rows
 from .lora import TARGETS
 from .plan_bytes import constant_bytes, gather_buffer_bytes, head_host_bytes, lora_state_bytes, nf4_scratch_bytes
-from .plan_cost import (DEFAULT_RATES, LAYER_OVER_GEMM, Rates, embed_gather_cost, gather_cost,  # noqa: F401
-                        head_host_cost, layer_flops, plan_cost)
-from .plan_rows import (ATTENTION_MOMENTS, FORWARD_EXTRA, GRADS, KEEP, KEPT_ROWS, MLP_MOMENTS,  # noqa: F401
-                        MLP_MOMENTS_FUSED, MODES, MOE_EXTRA, MOE_PLAN, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN,
-                        RECOMPUTE, PlanError, Row, layer_bytes, layer_lora, layer_modes, mode_bytes, mode_policy,
-                        row_bytes)
-from .plan_walk import forward_events, moe_backward_events, walk  # noqa: F401
+# noqa F401: the names the planner, the step, the tools and tests take from here, re-exported
+from .plan_cost import DEFAULT_RATES, Rates, embed_gather_cost, gather_cost, head_host_cost, plan_cost  # noqa: F401
+from .plan_rows import (KEEP, KEPT_ROWS, MODES, MOE_PLAN, OFFLOAD, OFFLOAD_UP, OFFLOADED, PLAN, RECOMPUTE,  # noqa: F401
+                        PlanError, layer_bytes, layer_modes, mode_bytes, mode_policy, row_bytes)
+from .plan_walk import walk
 
 GiB = 1 << 30
 # Headroom the planner leaves under a budget: torch's caching allocator rounds every tensor up to

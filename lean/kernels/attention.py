@@ -84,15 +84,12 @@ Caution:
       the unmasked loops stop at the diagonal block's start. attention_config.config checks it.
 """
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from lean.kernels._check import check
 from lean.kernels.arch import arch
-from lean.kernels import attention_config
 from lean.kernels.attention_config import DELTA_BLOCK_R, SORTED, config, dkdv_split, grid, interpreting
 from lean.kernels.gemm import in_tma_at_every_size, tma_desc, tma_ok
 from lean.kernels.gemm_splitk import reduce_partials
@@ -620,12 +617,6 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_R=block_r, num_warps=4)
 
     use_tma = _use_tma(tma, D, q, k, v, do)
-    side = _side_stream(dev) if attention_config.OVERLAP and dev.type == "cuda" else None
-    if side is not None:  # dq beside dk/dv: both read delta, neither reads the other's output
-        side.wait_stream(torch.cuda.current_stream(dev))
-    if attention_config.OVERLAP == "2":
-        _dq(dq, do, q, k, v, lse, delta, cu_seqlens, max_seqlen, scale, N, B, H, KVH, D, BLOCK_D, precision,
-            use_tma, window, side)
     BLOCK_M, BLOCK_N, warps, stages = config("dkdv", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
     do_src, q_src = (tma_desc(_rows_2d(t), (BLOCK_M, D)) for t in (do, q)) if use_tma else (do, q)
     S = dkdv_split(H // KVH, D, window)
@@ -644,32 +635,12 @@ def attention_bwd(dq, dk, dv, delta, do, q, k, v, o, lse, cu_seqlens, max_seqlen
         if rows is None:
             out.copy_(packed.view(N, KVH, D))
 
-    if attention_config.OVERLAP != "2":
-        _dq(dq, do, q, k, v, lse, delta, cu_seqlens, max_seqlen, scale, N, B, H, KVH, D, BLOCK_D, precision,
-            use_tma, window, side)
-    if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
-
-
-_SIDE = {}  # device index -> the stream dq runs on beside dk/dv (attention_config.OVERLAP)
-
-
-def _side_stream(dev):
-    if dev.index not in _SIDE:
-        _SIDE[dev.index] = torch.cuda.Stream(dev)
-    return _SIDE[dev.index]
-
-
-def _dq(dq, do, q, k, v, lse, delta, cu_seqlens, max_seqlen, scale, N, B, H, KVH, D, BLOCK_D, precision, use_tma,
-        window, side):
-    """The dq kernel's launch (on `side` when given)."""
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
-        k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
-        _attention_bwd_dq_kernel[grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
-            dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
-            dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            N, B, H // KVH, float(scale),
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
-            TMA=use_tma, SORTED=SORTED["dq"], WINDOW=window, num_warps=warps, num_stages=stages)
+    BLOCK_M, BLOCK_N, warps, stages = config("dq", BLOCK_D, q.dtype, max_seqlen, H * D, use_tma, arch(q.device).tier)
+    k_src, v_src = (tma_desc(_rows_2d(t), (BLOCK_N, D)) for t in (k, v)) if use_tma else (k, v)
+    _attention_bwd_dq_kernel[grid("dq", H, _n_items(N, B, max_seqlen, BLOCK_M))](
+        dq, do, q, k_src, v_src, lse, delta, cu_seqlens,
+        dq.stride(0), dq.stride(1), do.stride(0), do.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        N, B, H // KVH, float(scale),
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=_block_b(B), PRECISION=precision,
+        TMA=use_tma, SORTED=SORTED["dq"], WINDOW=window, num_warps=warps, num_stages=stages)

@@ -85,8 +85,6 @@ if os.environ.get("LEAN_ATTN_TMA"):
 # forward's programs are short (one head each): sorted it measured 3-10% slower at (32, 8, 128),
 # within noise elsewhere.
 SORTED = {"fwd": False, "dkdv": True, "dq": True}
-# dq on a side stream beside dk/dv (an experiment: "1" dk/dv launched first, "2" dq first; "" off)
-OVERLAP = os.environ.get("LEAN_ATTN_OVERLAP", "")
 DELTA_BLOCK_R = 64                                  # rows per delta program; a memory-bound pass
 # dk/dv programs per key block and kv head, by (G, D): G = H // KVH query heads per kv head, D the
 # head dim. A program walks the query blocks of its key block's document once per query head it

@@ -169,6 +169,22 @@ def test_bad_paths_are_refused_before_anything_loads(tiny, tmp_path, capsys, no_
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
+def test_unsupported_architecture_is_named_before_the_tokenizer_and_data(tiny, tmp_path, capsys):
+    # A folder of a model lean does not train, without a tokenizer or weights: the architecture is
+    # the cause to name (a tokenizer.json added would only lead to it), in one line, nothing written.
+    model = tmp_path / "mamba"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
+    args = _args(tiny, tmp_path / "run", "--steps", "1")
+    args[args.index("--model") + 1] = str(model)
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc != 0 and "Traceback" not in err, err
+    assert re.search(r"lean-train: error: .*config.json: unsupported architecture \['MambaForCausalLM'\]: "
+                     r"lean supports LlamaForCausalLM", err), err
+    assert "tokenizer" not in err and not (tmp_path / "run" / "checkpoint").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_device_cuda_without_a_gpu(tiny, tmp_path, capsys, no_loading):
     assert main(_args(tiny, tmp_path / "run", "--device", "cuda")) == 2

@@ -17,7 +17,7 @@ import torch
 from .batch import pack
 from .checkpoint import TrainError, data_fingerprint, read_checkpoint
 from .data import load_records, pack_batches, split_heldout, tokenize_records
-from .loader import load_model, resolve_model_dir
+from .loader import load_model, read_config, resolve_model_dir
 from .lora import LoRA
 from .optim import AdamW
 from .plan import SLACK
@@ -103,6 +103,7 @@ def load_run(cfg, device, dtype_name, dtype, read=True, world=1, dist=None):
     """Model folder, tokenizer, documents, checkpoint (checked; read: here), weights (sharded over
     the ranks with --shard-weights). Several processes: parallel.load_agreed calls it on each."""
     model_dir = resolve_model(cfg.model, dtype_name)
+    read_config(model_dir)  # an architecture lean does not train is named before the tokenizer or the data
     tok = Tokenizer.from_dir(model_dir)
     train_docs, heldout, _ = build_data(cfg, tok)
     fingerprint = data_fingerprint(train_docs)

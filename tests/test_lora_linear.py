@@ -4,7 +4,8 @@ import torch
 
 import lean.kernels.gemm as G
 import lean.kernels.lora_linear as L
-from lean.kernels.lora_linear import (dyb_width, linear_bwd, linear_fwd, lora_dropout_mask, lora_linear_bwd, lora_linear_bwd_da,
+from lean.kernels.lora_dropout import lora_dropout_mask
+from lean.kernels.lora_linear import (dyb_width, linear_bwd, linear_fwd, lora_linear_bwd, lora_linear_bwd_da,
                                       lora_linear_fwd)
 from lean.reference.lora_linear import lora_linear_grads_ref, lora_linear_ref, matmul_ref
 from tests.util import DEVICE, LOWP, assert_close_rule, fresh_generator, hopper_path, poison, randn

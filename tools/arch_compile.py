@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 
 os.environ["TRITON_INTERPRET"] = "0"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +147,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     from lean.kernels.attention import attention_bwd, attention_fwd
     from lean.kernels.gemm import tma_at_every_size
     from lean.kernels.kv_attention import kv_attention_fwd
-    from lean.kernels.lora_linear import lora_dropout_mask
+    from lean.kernels.lora_dropout import lora_dropout_mask
     from lean.kernels.rmsnorm import rmsnorm_bwd
     from lean.models.config import config_from_hf
     from lean.models.dense import Ctx

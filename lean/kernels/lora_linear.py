@@ -10,7 +10,8 @@ Forward (PEFT semantics: dropout on the LoRA branch only, inverted, keep-probabi
   p == 0: ONE kernel. Its K loop accumulates x W^T (BLOCK_M x BLOCK_N) and x A^T (BLOCK_M x R)
   from the same x tile; the epilogue adds scale * xa B^T and programs of the first column block
   store xa. The x A^T work is repeated per column block: R / BLOCK_N extra MMA (6% at R=16).
-  p > 0: a small pre-pass writes xa = drop(x) A^T, then the same kernel reads xa in its epilogue.
+  p > 0: a small pre-pass (lora_dropout.py) writes xa = drop(x) A^T, then the same kernel reads xa
+  in its epilogue.
   Generating the mask inside the fused K loop would run Philox O / BLOCK_N times per x element;
   Philox costs ~100 integer ops per element, several times the GEMM's own time (napkin math).
 
@@ -41,9 +42,8 @@ Deferred dA (lora_linear_bwd with x=None, then lora_linear_bwd_da): a layer that
 projection's input (dense.py drops n1, n2, act) runs kernel 1 and the db partials first and the
 da partials once a later backward kernel has rebuilt x; same kernels, same bits.
 
-Dropout mask: keep(n, k) = tl.rand(seed, n * K + k) >= p (int64 flat index of x; lora_grad._keep),
-regenerated identically by the forward pre-pass and both backward kernels; reproducible for a seed.
-lora_dropout_mask writes it out as 0/1 for tests.
+Dropout mask and the forward's p > 0 pre-pass: lora_dropout.py (the backward kernels regenerate
+the same mask).
 
 NF4 weights (QLoRA, kernels/nf4.py): w may be an Nf4. nf4.nf4_fused picks, per shape, between the
 pointer kernels with the W tile decoded in registers (NF4=True: nf4.nf4_tile, the same bits as
@@ -75,46 +75,10 @@ from lean.kernels._check import check
 from lean.kernels.arch import arch
 from lean.kernels.gemm import (FLOATS, grouped_tile, interpret_big, interpret_config, interpreting, matmul, tma_ok,
                                worth_a_prepass)
+from lean.kernels.lora_dropout import lora_dropout_xa
 from lean.kernels.lora_grad import _block_r, _keep, _lora_grad
 from lean.kernels.lora_linear_pre import _bwd_ptr_pre, _bwd_tma_pre, _fwd_ptr_pre, _fwd_tma_pre
 from lean.kernels.nf4 import Nf4, check_nf4, nf4_dequant, nf4_fused, nf4_tile, ptx
-
-
-@triton.jit
-def _lora_dropout_mask_kernel(mask_ptr, N, K, seed, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    keep = _keep(seed, rm.to(tl.int64)[:, None] * K + rk[None, :], p)
-    ptrs = mask_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
-    tl.store(ptrs, keep.to(mask_ptr.dtype.element_ty), mask=(rm < N)[:, None] & (rk < K)[None, :])
-
-
-@triton.jit
-def _lora_xa_kernel(
-    xa_ptr,                                 # (N, R) out: drop(x) A^T
-    x_ptr, a_ptr,                           # (N, K) row stride stride_x; (R, K)
-    N, K, R, stride_x, seed, p, inv_keep,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rr = tl.arange(0, BLOCK_R)
-    m_ok = rm < N
-    r_ok = rr < R
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
-    a_ptrs = a_ptr + rr[None, :] * K + rk[:, None]                     # A^T tile (BLOCK_K, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0
-        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        idx = rm.to(tl.int64)[:, None] * K + (k0 + rk)[None, :]
-        xt = tl.where(_keep(seed, idx, p), xt, tl.zeros_like(xt))
-        at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-    xa_ptrs = xa_ptr + rm.to(tl.int64)[:, None] * R + rr[None, :]
-    tl.store(xa_ptrs, (acc * inv_keep).to(xa_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -273,7 +237,6 @@ _BWD_DROPOUT = {"sm90": (128, 128, 64, 8, 4), "sm80": (128, 128, 64, 8, 4), "sm8
 # An NF4 weight decoded in the backward kernel (nf4.py) takes _BWD's tiles (its byte tiles and decode
 # scratch needed 104,448 B at 128 x 256 on sm86, which is why that tier was at 128 columns first).
 _FP32 = (32, 64, 32, 4, 2)      # fp32 inputs: IEEE CUDA-core products, correctness path, untuned
-_XA = (64, 64, 4, 3)            # dropout pre-pass (BLOCK_M, BLOCK_K, num_warps, num_stages), untuned
 GROUP_M = 8
 
 
@@ -378,12 +341,11 @@ def lora_linear_fwd(y, xa, x, w, a, b, scale, *, bias=None, dropout=0.0, seed=0,
         return
     BR, prec = _block_r(R), _precision(x.dtype)
     if dropout > 0.0 and not xa_ready:
-        BM, BK, warps, stages = _XA
+        tile = None
         if interpreting():  # the main kernel's row block and K step
             BM, _, BK, warps, stages = _fwd_config(N, O, x.dtype, None, K)
-        _lora_xa_kernel[(triton.cdiv(N, BM),)](
-            xa, x, a, N, K, R, x.stride(0), seed, float(dropout), 1.0 / (1.0 - dropout),
-            BLOCK_M=BM, BLOCK_K=BK, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages)
+            tile = (BM, BK, warps, stages)
+        lora_dropout_xa(xa, x, a, seed, dropout, BR, prec, tile)
     path = _prepass_path(x, w, a, dropout)
     if path is not None:
         (_fwd_tma_pre if path == "tma" else _fwd_ptr_pre)(y, xa, x, w, a, b, scale, bias, BR, xa_ready=xa_ready)
@@ -484,19 +446,6 @@ def lora_linear_bwd_da(da, dyb, x, scale, *, dropout=0.0, seed=0, more=()):
     big = interpreting() and interpret_big(N, K, K)  # the interpreter's model-sized tiles; GPU: False
     _lora_grad(da, x, dyb, scale / (1.0 - dropout), seed, dropout, _precision(dt), transposed=True, big=big,
                more=more)
-
-
-def lora_dropout_mask(mask_out, seed, p):
-    """mask_out (N, K) = 1 where the LoRA dropout keeps x[n, k], else 0 (the kernels' own mask)."""
-    check(mask_out, "mask_out", shape=(None, None), dtype=FLOATS + (torch.uint8,), contiguous=True)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"p: expected a probability in [0, 1), got {p}")
-    if not (isinstance(seed, int) and 0 <= seed < 2**63):
-        raise ValueError(f"seed: expected an int in [0, 2^63), got {seed!r}")
-    N, K = mask_out.shape
-    B = 32 if interpreting() else 64
-    _lora_dropout_mask_kernel[(triton.cdiv(N, B), triton.cdiv(K, B))](
-        mask_out, N, K, seed, float(p), BLOCK_M=B, BLOCK_K=B)
 
 
 # ---------------------------------------------------------------------------------------------

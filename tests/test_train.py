@@ -104,6 +104,10 @@ def full_run(setup):
     return cfg, T.train(cfg)
 
 
+def test_progress_rate_keeps_three_digits_below_100():
+    assert [TL.rate(v) for v in (122827.4, 100.0, 99.94, 1.6412, 0.0123)] == ["122,827", "100", "99.9", "1.64", "0.0123"]
+
+
 def test_training_lowers_heldout_loss(full_run):
     cfg, result = full_run
     evals = _metrics(T.Path(cfg.out_dir), "eval")

@@ -375,3 +375,16 @@ def test_gmm_gpu_qwen3_moe():
     gmm_wgrad(db, dh, xa, offsets, scale=(wts, order), alpha=s)
     ref = gmm_wgrad_ref(dh, xa, offsets, scale=(wts, order), alpha=s, dtype=torch.float32)
     assert_close_rule(db, ref, rtol32=1e-4, name="dB")
+
+
+@pytest.mark.parametrize("loads", LOADS)
+def test_gmm_flat_probe_forms_agree(loads, monkeypatch):
+    """tools/gmm_flat_probe.py (BENCHMARKS.md's persistent and flattened gmm rows) times gmm's math on
+    a persistent grid, flattened or not; its forms must give gmm's y (fp32 as the interpreter runs
+    it, every flag, empty experts, both weight layouts, pointer or descriptor loads)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import gmm_flat_probe
+    _force_loads(monkeypatch, loads)
+    assert gmm_flat_probe.check(DEVICE, torch.float32) <= 1e-6

@@ -24,6 +24,7 @@ this script sets it before importing lean.
 """
 import argparse
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -145,7 +146,7 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
     from lean.kernels.arch import arch, portable
     from lean.kernels.argmax import argmax_fwd
     from lean.kernels.attention import attention_bwd, attention_fwd
-    from lean.kernels.gemm import tma_at_every_size
+    from lean.kernels.gemm import matmul, tma_at_every_size
     from lean.kernels.kv_attention import kv_attention_fwd
     from lean.kernels.lora_dropout import lora_dropout_mask
     from lean.kernels.rmsnorm import rmsnorm_bwd
@@ -213,6 +214,13 @@ def model_launches(name, hf_config, dtype=torch.bfloat16, tokens=8192):
         x = torch.empty(tokens, cfg.hidden, dtype=dtype, device=META)
         rmsnorm_bwd(torch.empty_like(x), torch.empty(cfg.hidden, dtype=torch.float32, device=META), x, x, model.norm,
                     torch.empty(tokens, dtype=torch.float32, device=META))
+        # gemm.matmul's options no step passes (merge.py's, a kernel experimenter's): bias, alpha and
+        # accumulate on x W^T and dy W, eager and at every size (the TMA loops where the arch has them)
+        w = torch.empty(cfg.hidden, cfg.hidden, dtype=dtype, device=META)
+        for every_size in (False, True):
+            with tma_at_every_size() if every_size else contextlib.nullcontext():
+                for b in (w.t(), w):
+                    matmul(torch.empty_like(x), x, b, bias=w[0], accumulate=True, alpha=0.5)
         # attention at head dim 256 (the table's third row; no preset has it), and its TMA loops
         # forced on where the arch takes them (the captured step takes them at D = 64 / 128 only)
         for H, KVH, D, tma in ((cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, True), (8, 2, 256, False)):

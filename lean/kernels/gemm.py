@@ -221,10 +221,8 @@ def _matmul_tma_kernel(
         acc = acc * alpha
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if FLAT:
-            if ACCUMULATE:
-                acc += c_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
-            c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))
+        if FLAT:                            # never with ACCUMULATE (_matmul_tma: c's tile loaded too
+            c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))   # needs 278,568 B)
         else:
             c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
             mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -365,7 +363,9 @@ def _matmul_tma(c, a, b, bias, accumulate, alpha):
     kmajor = b.stride(0) == 1 and N > 1
     b_desc = tma_desc(b.t(), (BN, BK)) if kmajor else tma_desc(b, (BK, BN))
     n_programs = min(arch(a.device).sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
-    flat = kmajor and tma_flat(a.device) and tma_describable(c)   # c's tiles leave by TMA stores
+    # c's tiles leave by TMA stores; accumulating, c's tile would arrive by TMA too: 278,568 B of
+    # shared memory at _TMA on sm_90 (232,448 there), so an accumulating x W^T takes the unflattened loop
+    flat = kmajor and not accumulate and tma_flat(a.device) and tma_describable(c)
     _matmul_tma_kernel[(n_programs,)](
         tma_desc(c, (BM, BN)) if flat else c, tma_desc(a, (BM, BK)), b_desc, bias if bias is not None else c,
         M, N, K, c.stride(0), float(alpha), n_programs,

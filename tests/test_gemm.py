@@ -216,6 +216,8 @@ def test_matmul_takes_splitk(loads, tb, monkeypatch):
     monkeypatch.setitem(G._TMA_MIN, "macs", 0)  # tma_ok reads the threshold in force
     if loads == "tma":
         monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: all(t.dtype in (torch.float16, torch.bfloat16) for t in ts))
+    else:  # on a Hopper GPU the pointer loads must be forced as well
+        monkeypatch.setattr(S, "tma_ok", lambda *ts, macs: False)
     monkeypatch.setattr(S, "_SPLITK_MIN_STEPS", 2)
     calls = []
     _spy(monkeypatch, calls)

@@ -57,6 +57,20 @@ def _same_bits(out, ref, name):
                    f"{(out.double() - ref.double()).abs().max().item():.3e})"
 
 
+def _as_two_kernels(out, ref, name):
+    """The fused kernel against the two-kernel path: the same bits under the interpreter; on a GPU
+    within 4 ulps (elementwise, plus 4 ulps of the largest |ref|), as qk_norm_rope.py's docstring
+    says the compiler contracts some products differently there (1-2 ulp measured)."""
+    if DEVICE == "cpu":
+        return _same_bits(out, ref, name)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (name, out.shape, ref.shape, out.dtype, ref.dtype)
+    eps = torch.finfo(out.dtype).eps
+    o, r = out.double(), ref.double()
+    bound = 4 * eps * (torch.maximum(o.abs(), r.abs()) + r.abs().max())
+    n = int(((o - r).abs() > bound).sum())
+    assert n == 0, f"{name}: {n} of {o.numel()} elements more than 4 ulps from the two-kernel path"
+
+
 def _two_kernel_fwd(q_pre, k_pre, w_q, w_k, cos, sin):
     """dense.py's unfused path: per-head rmsnorm_fwd on (N*H, D) views, then rope_fwd in place."""
     N, H, D = q_pre.shape
@@ -93,14 +107,15 @@ def _fused_fwd(q_pre, k_pre, w_q, w_k, cos, sin):
 @pytest.mark.parametrize("N,H,KVH,D", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_same_bits_as_two_kernels(dtype, N, H, KVH, D):
-    """Forward (q, k, rstd_q, rstd_k) and backward (dq_pre, dk_pre) against the unfused kernels."""
+    """Forward (q, k, rstd_q, rstd_k) and backward (dq_pre, dk_pre) against the unfused kernels: the
+    same bits under the interpreter, within 4 ulps on a GPU (_as_two_kernels)."""
     g = fresh_generator()
     q_pre, k_pre, w_q, w_k = _inputs(N, H, KVH, D, dtype, g)
     cos, sin = _table(N, D, g)
     ours = _fused_fwd(q_pre, k_pre, w_q, w_k, cos, sin)
     theirs = _two_kernel_fwd(q_pre, k_pre, w_q, w_k, cos, sin)
     for name, a, b in zip(("q", "k", "rstd_q", "rstd_k"), ours, theirs):
-        _same_bits(a, b, name)
+        _as_two_kernels(a, b, name)
 
     rstd_q, rstd_k = ours[2], ours[3]
     dq, dk = randn(N, H, D, g=g, dtype=dtype), randn(N, KVH, D, g=g, dtype=dtype)
@@ -110,8 +125,8 @@ def test_same_bits_as_two_kernels(dtype, N, H, KVH, D):
     poison(dq_pre, dk_pre)
     qk_norm_rope_bwd(dq_pre, dk_pre, dq, dk, q_pre, k_pre, w_q, w_k, rstd_q, rstd_k, cos, sin)
     ref_q, ref_k = _two_kernel_bwd(dq, dk, q_pre, k_pre, w_q, w_k, rstd_q, rstd_k, cos, sin)
-    _same_bits(dq_pre, ref_q, "dq_pre")
-    _same_bits(dk_pre, ref_k, "dk_pre")
+    _as_two_kernels(dq_pre, ref_q, "dq_pre")
+    _as_two_kernels(dk_pre, ref_k, "dk_pre")
     _same_bits(dq, dq0, "dq (must stay unmodified)")
     _same_bits(dk, dk0, "dk (must stay unmodified)")
 
@@ -156,7 +171,8 @@ def test_close_to_reference(dtype, N, H, KVH, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_views(dtype):
     """q_pre/k_pre sliced from a fused (N, (H+2KVH)*D) qkv buffer, outputs and gradients with token
-    strides that are not H*D: the same bits, and nothing written outside the views."""
+    strides that are not H*D: the two-kernel path's values (_as_two_kernels), nothing written outside
+    the views."""
     g = fresh_generator()
     N, H, KVH, D = 13, 4, 2, 32
     qkv = randn(N, (H + 2 * KVH) * D, g=g, dtype=dtype, scale=3.0)   # (N, (H+2KVH)*D)
@@ -171,7 +187,7 @@ def test_strided_views(dtype):
     qk_norm_rope_fwd(q, k, rstd_q, rstd_k, q_pre, k_pre, w_q, w_k, cos, sin, EPS)
     ref = _two_kernel_fwd(q_pre.contiguous(), k_pre.contiguous(), w_q, w_k, cos, sin)
     for name, a, b in zip(("q", "k", "rstd_q", "rstd_k"), (q, k, rstd_q, rstd_k), ref):
-        _same_bits(a, b, name)
+        _as_two_kernels(a, b, name)
     assert torch.isnan(out_buf[:, H * D: (H + 1) * D]).all(), "wrote outside q and k"
     _same_bits(qkv, qkv0, "qkv (an input)")
 
@@ -183,8 +199,8 @@ def test_strided_views(dtype):
     qk_norm_rope_bwd(dq_pre, dk_pre, dq, dk, q_pre, k_pre, w_q, w_k, rstd_q, rstd_k, cos, sin)
     ref_q, ref_k = _two_kernel_bwd(dq.contiguous(), dk.contiguous(), q_pre.contiguous(), k_pre.contiguous(),
                                    w_q, w_k, rstd_q, rstd_k, cos, sin)
-    _same_bits(dq_pre, ref_q, "dq_pre")
-    _same_bits(dk_pre, ref_k, "dk_pre")
+    _as_two_kernels(dq_pre, ref_q, "dq_pre")
+    _as_two_kernels(dk_pre, ref_k, "dk_pre")
     assert torch.isnan(grad_buf[:, (H + KVH) * D:]).all(), "wrote outside dq_pre and dk_pre"
 
 

@@ -44,6 +44,7 @@ def _gmm_persist_kernel(
     GATHER: tl.constexpr, LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, W_DESC: tl.constexpr, FLAT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     ar = tl.arange(0, BLOCK_E)
     lo = tl.load(off_ptr + ar, mask=ar < E, other=0)
@@ -76,7 +77,7 @@ def _gmm_persist_kernel(
                          mask=m_ok[:, None] & (rr < R)[None, :], other=0.0)
             bt = tl.load(b_ptr + e64 * stride_be + rr[:, None] * stride_br + rn.to(tl.int64)[None, :] * stride_bo,
                          mask=(rr < R)[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(at, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * scale
+            acc = tl.dot(at, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=PRECISION) * scale
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, Kd, BLOCK_K):
@@ -93,7 +94,7 @@ def _gmm_persist_kernel(
                 wt = w_ptr.load([e * O + pid_n * BLOCK_N, k0]).T
             else:
                 wt = w_ptr.load([e * Kd + k0, pid_n * BLOCK_N])
-            acc = tl.dot(xt, wt, acc)
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
         y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -116,7 +117,8 @@ def gmm_persist(y, x, w, offsets, *, gather=None, gather_div=1, lora=None, flat=
         *(xa.stride() if xa is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
         GATHER=gather is not None, LORA=lora is not None,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=GG._pow2(R, 16, 64), BLOCK_E=GG._pow2(E, 16, GG.MAX_E),
-        GROUP_M=8, W_DESC=mode, FLAT=flat, num_warps=warps, num_stages=stages)
+        GROUP_M=8, W_DESC=mode, FLAT=flat, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
 
 
 def forms(programs):

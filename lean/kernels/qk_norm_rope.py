@@ -44,7 +44,7 @@ One launch for q and k: row blocks 0 .. n_q_blocks-1 are q's, the rest k's. The 
 
 Supported: even D, 2 <= D <= 512 (rope.py's range); any N, H, KVH >= 1; fp32 / fp16 / bf16; eps a
 Python number.
-Tested: tests/test_qk_norm_rope.py: bit equality with rmsnorm_fwd + rope_fwd and rope_bwd +
+Tested: tests/test_qk_norm_rope.py: bit equality (a GPU: 4 ulps) with rmsnorm_fwd + rope_fwd and rope_bwd +
 rmsnorm_bwd (q, k, rstd_q, rstd_k; dq_pre, dk_pre; dq, dk untouched), fp32 and fp16 through the
 interpreter (N 1, 7, 37; H/KVH 4/2, 3/1; D 16, 64, 80, 128; documents starting at position 0 and
 positions deep into a long one; -0.0 inputs), the tolerance rule against rmsnorm_ref + rope_ref and
@@ -55,9 +55,9 @@ day, different calls: within run-to-run noise of ~1%); the separate rope pass it
 1.9 ms of the 82 ms step.
 
 Caution:
-  - Bit parity on GPU rests on Triton laying the tile out as in rmsnorm.py (the tile config is
-    imported from it for that reason) and contracting as rope.py does; the gpu-marked tests compare
-    bits. Change either kernel's math and the tests here fail first.
+  - Parity with the two kernels rests on Triton laying the tile out as in rmsnorm.py (the tile
+    config is imported from it for that reason) and contracting as rope.py does; the tests compare
+    bits under the interpreter and hold a GPU to 4 ulps. Change either kernel's math and they fail first.
   - Outputs must not overlap inputs (q over q_pre would work, rows are read before they are
     written, but is not tested).
 """

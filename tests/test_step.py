@@ -1,4 +1,5 @@
 """The whole LoRA step against HF transformers + PEFT, on tiny random configs (CPU, float32)."""
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -146,6 +147,34 @@ def test_activation_plan_table_matches_what_moe_layers_save(tmp_path):
                         visit(u)
             visit(saved)
             assert sum(seen.values()) == layer_bytes(model.config, 7, 4, lora.r, lora.targets, layer=li), (targets, li)
+
+
+def test_a_batch_or_model_on_the_wrong_device_is_refused_by_name(monkeypatch):
+    """A batch on another device than the model, and a CPU model where Triton's interpreter is off (a
+    GPU machine), are refused with the cause and the fix, not Triton's "cpu tensor?" (which names
+    neither), by every entry point that computes."""
+    import lean.runtime.step as step_module
+    from lean.models.config import config_from_hf
+    from lean.models.weights import empty_model
+    from lean.runtime.generate import generate
+    from tests.hf_models import tiny_config
+
+    cfg = config_from_hf(tiny_config("llama").to_dict())
+    model = empty_model(cfg, torch.float32, DEVICE)
+    batch = lean.pack([[1, 2, 3, 4]], max_tokens=8, device=DEVICE)
+    elsewhere = dataclasses.replace(batch, **{f: getattr(batch, f).to("meta") for f in ("ids", "positions", "targets",
+                                                                                          "cu_seqlens")})
+    for call in (lambda: lean.forward_backward(model, None, elsewhere), lambda: lean.loss_eval(model, None, elsewhere),
+                 lambda: lean.forward(model, None, elsewhere)):
+        with pytest.raises(ValueError, match=r"the batch is on meta, the model on .*lean.pack\(..., device=model.device\)"):
+            call()
+    cpu_model = empty_model(cfg, torch.float32, "cpu")
+    batch = lean.pack([[1, 2, 3, 4]], max_tokens=8, device="cpu")
+    monkeypatch.setattr(step_module, "interpreting", lambda: False)   # as on a GPU machine
+    for call in (lambda: lean.forward_backward(cpu_model, None, batch), lambda: lean.loss_eval(cpu_model, None, batch),
+                 lambda: lean.forward(cpu_model, None, batch), lambda: generate(cpu_model, None, [1, 2], max_new_tokens=2)):
+        with pytest.raises(ValueError, match="model is on the CPU.*TRITON_INTERPRET=1"):
+            call()
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's limit: a CPU test")

@@ -30,7 +30,7 @@ from ..kernels.swiglu import swiglu_fwd
 from ..models.dense import Ctx, _attn_options, proj_fwd
 from ..models.moe import moe_forward
 from .head_host import lm_head_logits
-from .step import check_compute_dtype
+from .step import check_compute_dtype, check_devices
 
 
 def _rope_rows(model, n_rows):
@@ -114,6 +114,7 @@ def generate(model, lora, prompt_ids, max_new_tokens=32, stop_ids=(), on_logits=
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (give at least one token, e.g. the BOS token)")
     check_compute_dtype(model)
+    check_devices(model)
     cfg, dev = model.config, model.device
     bad = [i for i in prompt_ids if not 0 <= int(i) < cfg.vocab]
     if bad:

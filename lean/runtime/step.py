@@ -98,8 +98,22 @@ def check_compute_dtype(model):
                          "load it with dtype=torch.float32 (or float16) on the CPU, or run on a CUDA GPU")
 
 
+def check_devices(model, batch=None):
+    """A batch on another device than the model, or a model on the CPU without Triton's interpreter
+    (a GPU machine: lean turns the interpreter on only where there is no CUDA GPU), is refused by
+    name: Triton's own error there ("cannot be accessed from Triton (cpu tensor?)") names neither."""
+    m = torch.device(model.device)
+    b = batch.device if batch is not None else m
+    if m.type != b.type or (m.index is not None and b.index is not None and m.index != b.index):
+        raise ValueError(f"the batch is on {b}, the model on {m}: pack it there (lean.pack(..., device=model.device))")
+    if m.type == "cpu" and not interpreting():
+        raise ValueError("the model is on the CPU, where lean's kernels run only through Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 in the environment before lean is imported, or load the model on the GPU")
+
+
 def make_ctx(model, lora, batch, seed=0):
     check_compute_dtype(model)
+    check_devices(model, batch)
     cfg = model.config
     cos, sin = rope_tables(model, batch)
     return Ctx(

@@ -153,3 +153,41 @@ def test_dots_get_contiguous_tiles(monkeypatch):
     dots[(1,)](out_t, out_c, a, b, b.t().contiguous(), M=M, N=N, K=K)
     assert layouts == [(True, True), (True, True)], layouts
     assert torch.equal(out_t, out_c)
+
+
+def test_a_scalar_tensor_indexes_under_numpy_2_4():
+    """scalar_index: a scalar tensor's __index__ (a loop bound from a kernel argument) takes its
+    one-element array's element; numpy 2.4 refuses int() of such an array, as the array below does.
+    Restored with the launch's other swaps. And a kernel looping to an argument runs."""
+    import operator
+
+    import numpy as np
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    from lean.kernels import _interp
+
+    class Numpy24(np.ndarray):
+        def __int__(self):
+            raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+    assert _interp.scalar_index() and interp._patch_lang_tensor.scalar_index
+    before = getattr(tl.tensor, "__index__", None)
+    scope = interp._LangPatchScope()
+    interp._patch_lang_tensor(tl.tensor, scope)
+    t = tl.tensor(interp.TensorHandle(np.array([7], dtype=np.int32).view(Numpy24), tl.int32), tl.int32)
+    assert operator.index(t) == 7
+    scope.restore()
+    assert getattr(tl.tensor, "__index__", None) is before
+
+    @triton.jit
+    def count(out, n):
+        acc = tl.zeros((), tl.int32)
+        for _ in range(0, n):
+            acc += 1
+        tl.store(out, acc)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    count[(1,)](out, 5)
+    assert out.item() == 5

@@ -1,8 +1,9 @@
 """Triton's CPU interpreter (TRITON_INTERPRET=1) without its per-call re-patching: the same kernels,
 the same results, about a sixth less Python; and its tl.dot on C-contiguous tiles.
 
-    patch_device_calls()    # lean/kernels/__init__.py calls both once when TRITON_INTERPRET=1
+    patch_device_calls()    # lean/kernels/__init__.py calls all three once when TRITON_INTERPRET=1
     contiguous_dots()
+    scalar_index()
 
 Why: the interpreter runs a kernel by swapping triton.language's builtins (tl.load, tl.dot, ...)
 for numpy-backed ones, once per launch (GridExecutor.__call__ -> _patch_lang, undone when the launch
@@ -40,6 +41,13 @@ gave different fp32 bits there and the same bits on AVX2 CPUs (a CI machine with
 five such tests). contiguous_dots() hands np.matmul C-contiguous copies of views, so the bits
 follow the values alone, on every CPU. Tested: tests/test_interp.py (a dot of a transposed view
 and of its contiguous copy, the same bits).
+
+Scalars: the interpreter gives a scalar tensor an __index__ of int(its one-element array), which
+numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", after its 1.25
+deprecation), so every kernel whose loop bound is a kernel argument failed on the CPU with numpy
+>= 2.4 (CI had pinned numpy < 2.4). scalar_index() takes the element instead: the same int with any
+numpy (the CPU suite passes with numpy 2.4.6; tools/train_lora.py on the CPU with 2.5.2). Tested:
+tests/test_interp.py (a scalar tensor's index from an array that refuses int(), restored after).
 """
 import inspect
 import os
@@ -141,4 +149,25 @@ def contiguous_dots() -> bool:
 
     create_dot.contiguous = True
     builder.create_dot = create_dot
+    return True
+
+
+def scalar_index() -> bool:
+    """A scalar tensor's __index__ under the interpreter through its element, not int() of its
+    one-element array (module docstring, "Scalars"); True when in place. It wraps triton 3.6's
+    _patch_lang_tensor; where that differs, nothing changes."""
+    import triton.runtime.interpreter as interp
+
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None:
+        return False
+    if getattr(original, "scalar_index", False):
+        return True
+
+    def _patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # restored with the rest
+
+    _patch_lang_tensor.scalar_index = True
+    interp._patch_lang_tensor = _patch_lang_tensor
     return True

@@ -157,6 +157,8 @@ def test_pack_errors():
         lean.pack([([1, 2, 3], [1, 1])], max_tokens=8, device=DEVICE)
     with pytest.raises(lean.BatchError, match="out of range"):
         lean.pack([[1, 2, 300]], max_tokens=8, device=DEVICE, vocab=100)
+    with pytest.raises(lean.BatchError, match="device 'meta': lean's kernels run on a CUDA GPU or"):
+        lean.pack([[1, 2]], max_tokens=8, device="meta")   # it landed on the CPU, unsaid
 
 
 # ---- adapters ----------------------------------------------------------------------------------

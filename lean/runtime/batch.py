@@ -85,6 +85,8 @@ def pack(docs, max_tokens, *, device=None, pad_to=None, vocab=None, max_docs=Non
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type not in ("cuda", "cpu"):  # the batch would land on the CPU unsaid
+        raise BatchError(f"device {device!r}: lean's kernels run on a CUDA GPU or (Triton's interpreter) the CPU")
     if len(docs) == 0:
         raise BatchError("empty batch: pack() needs at least one document")
     parts = [_doc_parts(d, i) for i, d in enumerate(docs)]

@@ -527,6 +527,36 @@ def test_graph_steps_follow_the_eager_run_gpu(setup, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_interrupt_in_a_replay_and_resume_gpu(setup, monkeypatch):
+    """On a GPU (the captured step, where the CPU tests' eager forward_backward never runs): Ctrl-C
+    as step 4's replay starts, then --resume (a graph captured anew): the per-step losses equal the
+    uninterrupted run's bit for bit (the kernels are deterministic). Dropout 0: the graph's condition."""
+    kw = dict(dropout=0.0, seed=5, steps=6, lr=3e-2)
+    full_cfg, cfg = _cfg(setup, "graph-full", **kw), _cfg(setup, "graph-resumed", **kw)
+    T.train(full_cfg)
+    replay, calls = StepGraph.step, {"n": 0}
+
+    def interrupted(self, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return replay(self, *args, **kw)
+    monkeypatch.setattr(StepGraph, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="after step 3.*--resume"):
+        T.train(cfg)
+    monkeypatch.undo()
+    state = json.loads((T.Path(cfg.out_dir) / "checkpoint" / "state.json").read_text())
+    assert (state["step"], state["batch_index"], state["lora_steps"]) == (3, 3, 3)
+    cfg.resume = True
+    replays = _count_replays(monkeypatch, lambda graph: 1)
+    T.train(cfg)
+    assert len(replays) == 3, f"the resumed steps replayed a graph {len(replays)} times"
+    full, resumed = _metrics(T.Path(full_cfg.out_dir), "train"), _metrics(T.Path(cfg.out_dir), "train")
+    assert sorted(resumed) == list(range(1, 7))
+    assert [resumed[s] for s in range(1, 7)] == [full[s] for s in range(1, 7)]
+
+
+@pytest.mark.gpu
 def test_vram_budget_replays_the_planned_step_gpu(setup, monkeypatch):
     """--vram-budget on a GPU: the step runs under the plan from the captured CUDA graph, every
     step, and its losses follow the eager planned run's (--no-graph) within bf16 noise."""

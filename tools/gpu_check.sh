@@ -2,7 +2,8 @@
 # The GPU check, in one device call: the machine, the GPU tests, then the kernel benchmarks.
 #
 #   tools/gpu_check.sh              # tests, then bench (default; no extra args)
-#   tools/gpu_check.sh tests [ARGS] # tests only: ARGS go to pytest (default: tests)
+#   tools/gpu_check.sh tests [ARGS] # tests only: ARGS go to pytest (default: -m gpu tests; test files
+#                                   # named without -m run every test in them, the interpreter's too)
 #   tools/gpu_check.sh bench [ARGS] # bench only: ARGS go to bench.py kernels (e.g. --only attention,lora)
 #   tools/gpu_check.sh step [ARGS]  # the step bench, lean and the peers: ARGS go to bench.py step
 #   tools/gpu_check.sh wheels       # only install the carried wheels (the first of the step's two calls)

@@ -166,7 +166,8 @@ def scalar_index() -> bool:
 
     def _patch_lang_tensor(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # restored with the rest
+        # restored with the launch's other swaps; .item() of the interpreter's numpy array
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # sync: none (numpy, CPU)
 
     _patch_lang_tensor.scalar_index = True
     interp._patch_lang_tensor = _patch_lang_tensor

@@ -166,7 +166,7 @@ def scalar_index() -> bool:
 
     def _patch_lang_tensor(tensor, scope):
         original(tensor, scope)
-        # restored with the launch's other swaps; .item() of the interpreter's numpy array
+        # restored with the launch's other swaps; the element is read from the interpreter's numpy array
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # sync: none (numpy, CPU)
 
     _patch_lang_tensor.scalar_index = True
